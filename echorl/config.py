@@ -1,0 +1,189 @@
+"""Configuration: one pydantic model per part of a run, every field documented and bounded.
+
+A run is described by one TOML or YAML file (see `examples/`); any field can be
+overridden with a dotted `key=value` (`train.steps=50`, `optim.lr=1e-4`).
+Unknown keys are errors, so a typo never silently does nothing.
+
+    cfg = load_config("examples/colocated.toml", ["train.steps=20"])
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="local HF model folder; unset = build the tiny model")
+    preset: Literal["1m", "10m", "50m"] = Field("1m", description="tiny-model size when `path` is unset")
+    init_seed: int = Field(0, ge=0, description="seed of the tiny model's random initialisation")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, mps")
+    threads: int | None = Field(None, ge=1, le=256, description="torch intra-op threads; unset = torch default")
+
+
+class TaskConfig(_Section):
+    name: str = Field("add", description="a key of echorl.tasks.TASKS")
+    seed: int = Field(0, ge=0, description="seed of the prompt stream")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from echorl.tasks import TASKS
+
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+        return name
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
+    max_new_tokens: int | None = Field(None, ge=1, le=32768, description="unset = the task's own bound")
+
+
+class AdvantageConfig(_Section):
+    type: Literal["grpo", "drgrpo", "rloo"] = Field(
+        "grpo", description="grpo: (r-mean)/(std+eps); drgrpo: r-mean; rloo: r - mean of the others"
+    )
+    eps: float = Field(1e-6, gt=0.0, le=1.0, description="added to the group std (grpo)")
+
+
+class LossConfig(_Section):
+    type: Literal["ppo_clip"] = Field("ppo_clip", description="policy loss, from echorl.trainer.losses.LOSSES")
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio lower bound is 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="ratio upper bound is 1 + clip_high (DAPO clip-higher)")
+    aggregation: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean", description="token_mean: mean over all tokens (DAPO); seq_mean: mean per sequence, then over sequences (GRPO)"
+    )
+    is_cap: float = Field(2.0, ge=1.0, le=1e6, description="C in the truncated importance weight min(exp(old - behaviour), C)")
+    kl_coef: float = Field(0.0, ge=0.0, le=10.0, description="weight of the k3 KL to the frozen initial policy; 0 = off")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, gt=0.0, le=1e4, description="max global grad norm")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in optimiser steps")
+
+
+class TrainConfig(_Section):
+    """The RL loop: B prompts x G completions per step."""
+
+    steps: int = Field(100, ge=1, le=10_000_000, description="RL steps (policy versions published)")
+    batch_prompts: int = Field(16, ge=1, le=65536, description="B: prompts per step")
+    group_size: int = Field(8, ge=1, le=1024, description="G: completions per prompt")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="passes over each batch")
+    minibatches: int = Field(1, ge=1, le=4096, description="optimiser steps per pass")
+    seed: int = Field(0, ge=0, description="run seed; sampling seeds derive from (seed, step)")
+    drop_flat_groups: bool = Field(
+        True, description="leave out groups whose rewards are all equal (zero advantage, no policy "
+        "gradient) so they neither dilute the token mean nor move Adam; a step with none left is skipped"
+    )
+    eval_every: int = Field(0, ge=0, description="steps between held-out greedy evaluations; 0 = start and end only")
+    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts per evaluation")
+    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only at the end")
+    out_dir: str = Field("runs/colocated", description="metrics, checkpoints and plots go here")
+
+    @model_validator(mode="after")
+    def _divisible(self) -> TrainConfig:
+        n = self.batch_prompts * self.group_size
+        if n % self.minibatches:
+            raise ValueError(
+                f"batch_prompts*group_size = {n} is not divisible by minibatches = {self.minibatches}; "
+                "pick minibatches that divides it"
+            )
+        return self
+
+
+class SFTConfig(_Section):
+    """The supervised warm-up on task demonstrations."""
+
+    steps: int = Field(800, ge=0, le=10_000_000, description="optimiser steps")
+    batch_size: int = Field(64, ge=1, le=65536)
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="peak rate, decayed linearly to 10%")
+    seed: int = Field(1, ge=0, description="seed of the demonstration stream (kept apart from RL's)")
+
+
+class RunConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    sft: SFTConfig = SFTConfig()
+
+    @model_validator(mode="after")
+    def _group_needs_peers(self) -> RunConfig:
+        if self.train.group_size < 2:
+            raise ValueError(
+                f"train.group_size = {self.train.group_size}: group-relative advantages "
+                f"({self.advantage.type}) need at least 2 completions per prompt"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the field."""
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot parse: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a table of sections")
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b=value` in the nested dict; the value is read as a YAML scalar."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} must look like section.field=value")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        lines.append(f"{where}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run config from TOML/YAML (or the defaults) and apply dotted overrides."""
+    data = _read_file(Path(path)) if path else {}
+    for override in overrides or []:
+        apply_override(data, override)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None

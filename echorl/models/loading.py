@@ -1,0 +1,64 @@
+"""Loading a policy (causal LM + tokenizer) from a local Hugging Face folder.
+
+Works the same for the built-in tiny model and a user's Qwen2.5/Qwen3 (or any
+causal-LM) checkpoint. Never downloads: the hub is switched off before loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+log = logging.getLogger(__name__)
+ROUND_TRIP_PROBE = "a b  c\n12 + 34 = 46"
+
+
+def _check_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model folder (no config.json); echorl never downloads")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with `AutoTokenizer`, guarding against a known transformers 5 trap.
+
+    `AutoTokenizer` picks the tokenizer class from the model type, so a Qwen2
+    folder holding a character-level `tokenizer.json` gets Qwen2's byte-level
+    class, which silently drops spaces. When the loaded tokenizer does not round
+    trip a probe string, the folder's own `tokenizer.json` is loaded as is.
+    """
+    path = _check_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    ids = tokenizer(ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids) != ROUND_TRIP_PROBE and (path / "tokenizer.json").is_file():
+        log.warning("%s: %s does not round-trip text; loading tokenizer.json directly",
+                    path, type(tokenizer).__name__)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # generation pads on the left
+    return tokenizer
+
+
+def load_policy(
+    path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load `(model, tokenizer)` from a local folder; the model is in eval mode on `device`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = _check_dir(path)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,1 @@
+"""Samplers: generation backends that return token ids with behaviour log-probs."""

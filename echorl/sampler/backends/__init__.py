@@ -1,0 +1,1 @@
+"""Generation backends. Each returns `Completion`s with per-token behaviour log-probs."""

@@ -1,0 +1,75 @@
+"""The `Task` protocol: seeded prompts, a verifier that trusts nothing, demonstrations.
+
+A task is a pure function of a seed: `problem(seed)` always returns the same
+problem, so a broker, a sampler and a trainer that share only a seed agree on
+the prompt and on the right answer. `score` receives untrusted model text and
+must return a float in [0, 1] without raising.
+
+Held-out problems are a partition of the problem *space*, not of seeds: a
+problem whose text hashes into the held-out bucket is never produced by the
+train stream, so evaluation never sees a prompt that training or warm-up saw.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+Split = Literal["train", "eval"]
+HELDOUT_BUCKETS = 8  # one problem in eight is held out
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and what the verifier needs to judge an answer to it."""
+
+    task: str
+    seed: int
+    prompt: str
+    answer: str  # the reference answer (one of possibly many right ones)
+    data: dict = field(default_factory=dict, compare=False)
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    max_new_tokens: int  # enough for any right answer plus eos
+
+    def problem(self, seed: int) -> Problem:
+        """The problem for `seed` (deterministic)."""
+        ...
+
+    def score(self, problem: Problem, completion: str) -> float:
+        """Reward in [0, 1] for `completion`; malformed text scores 0 and never raises."""
+        ...
+
+    def demonstration(self, problem: Problem) -> str:
+        """A right answer, as the model should write it, for the warm-up."""
+        ...
+
+
+def is_heldout(problem: Problem) -> bool:
+    return zlib.crc32(problem.prompt.encode()) % HELDOUT_BUCKETS == 0
+
+
+def problem_stream(task: Task, seed: int, split: Split = "train") -> Iterator[Problem]:
+    """Endless, reproducible stream of problems of one split, drawn from `seed`."""
+    rng = random.Random(f"{task.name}/{split}/{seed}")
+    want_heldout = split == "eval"
+    while True:
+        problem = task.problem(rng.getrandbits(63))
+        if is_heldout(problem) == want_heldout:
+            yield problem
+
+
+def take(task: Task, n: int, seed: int, split: Split = "train") -> list[Problem]:
+    stream = problem_stream(task, seed, split)
+    return [next(stream) for _ in range(n)]
+
+
+def first_line(completion: str) -> str:
+    """The answer part of a completion: text before the first newline, stripped."""
+    return completion.split("\n", 1)[0].strip()

@@ -1,0 +1,127 @@
+"""The co-located reference loop: generate, score, update, in turn, in one process.
+
+This is what a hybrid engine (verl) does, and what every decoupled run is
+measured against: for step s it samples B prompts x G completions with the
+weights of version s, scores them, and makes version s + 1.
+
+    echorl train --colocated --task add --model runs/demo/sft
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from echorl.config import RunConfig
+from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
+from echorl.models import load_policy
+from echorl.sampler.backends.hf import HFBackend
+from echorl.sampler.rollout import Group, rollout
+from echorl.seeding import derive_seed
+from echorl.tasks import Task, get_task, take
+from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from echorl.trainer.evaluate import EvalResult, evaluate
+from echorl.trainer.update import build_optimizer, build_scheduler, groups_to_batch, train_on_batch
+
+
+@dataclass
+class RunResult:
+    before: EvalResult | None  # held-out greedy accuracy at the start (None when resumed)
+    after: EvalResult
+    metrics_path: Path
+    plot_path: Path
+    policy_path: Path
+
+
+def step_problems(task: Task, cfg: RunConfig, step: int):
+    return take(task, cfg.train.batch_prompts, derive_seed(cfg.task.seed, "step", step))
+
+
+def reward_metrics(groups: list[Group]) -> dict[str, float]:
+    rewards = torch.tensor([g.rewards for g in groups])  # (B, G)
+    tokens = [len(c.token_ids) for g in groups for c in g.completions]
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "reward/max": rewards.max().item(),
+        "reward/accuracy": (rewards >= 1.0).float().mean().item(),
+        "rollout/groups_flat_frac": (rewards.std(dim=1) == 0).float().mean().item(),
+        "rollout/completion_tokens_mean": sum(tokens) / len(tokens),
+    }
+
+
+def rl_step(backend: HFBackend, task: Task, cfg: RunConfig, step: int, opt, sched, ref_model) -> dict:
+    t0 = time.perf_counter()
+    groups = rollout(backend, task, step_problems(task, cfg, step), cfg.train.group_size,
+                     cfg.sampling, seed=derive_seed(cfg.train.seed, "sample", step), version=step)
+    t1 = time.perf_counter()
+    informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
+    metrics = {"optim/skipped": 1.0}
+    if informative:
+        batch = groups_to_batch(informative, backend.tokenizer, cfg)
+        metrics = train_on_batch(backend.model, opt, sched, batch, cfg, ref_model,
+                                 seed=derive_seed(cfg.train.seed, "shuffle", step))
+        metrics["optim/skipped"] = 0.0
+    t2 = time.perf_counter()
+    tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+    return {
+        "step": step, **reward_metrics(groups), **metrics,
+        "perf/gen_s": t1 - t0, "perf/gen_tokens_per_s": tokens / (t1 - t0),
+        "trainer/step_s": t2 - t1, "perf/total_s": t2 - t0,
+    }
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console)
+
+
+def run_colocated(cfg: RunConfig, model_dir: str | Path, resume: bool = False,
+                  console: Console | None = None) -> RunResult:
+    console = console or Console()
+    out = Path(cfg.train.out_dir)
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    task = get_task(cfg.task.name)
+    ckpt = latest_checkpoint(out / "checkpoints") if resume else None
+    model, tokenizer = load_policy(ckpt / "policy" if ckpt else model_dir, cfg.model.device)
+    ref_model = copy.deepcopy(model).eval() if cfg.loss.kl_coef > 0 else None
+    backend = HFBackend(model, tokenizer)
+    opt = build_optimizer(model, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim)
+    start = load_trainer_state(ckpt, opt, sched).step if ckpt else 0
+    log = MetricsLog(out / "metrics.jsonl", truncate=not ckpt)
+    before = None
+    if start == 0:
+        before = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
+        log.write({"step": 0, "eval/accuracy": before.accuracy, "eval/reward": before.reward})
+        console.print(f"held-out greedy accuracy before RL: {before.accuracy:.3f} (n={before.n})")
+    with _progress(console) as progress:
+        bar = progress.add_task("RL", total=cfg.train.steps, completed=start)
+        for step in range(start, cfg.train.steps):
+            record = rl_step(backend, task, cfg, step, opt, sched, ref_model)
+            done = step + 1
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                ev = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
+                record |= {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
+            log.write(record | {"step": done})
+            progress.update(bar, advance=1, description=(
+                f"RL {task.name}  reward {record['reward/mean']:.3f}  "
+                f"{record['perf/gen_tokens_per_s']:.0f} tok/s"))
+            if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
+                save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
+    after = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
+    log.write({"step": cfg.train.steps, "eval/accuracy": after.accuracy, "eval/reward": after.reward})
+    save_checkpoint(out / "checkpoints", cfg.train.steps, model, tokenizer, opt, sched)
+    policy = out / "policy"
+    model.save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    plot = plot_reward_curve(read_metrics(out / "metrics.jsonl"), out / "reward_curve.png",
+                             title=f"co-located GRPO on {task.name}")
+    return RunResult(before, after, out / "metrics.jsonl", plot, policy)

@@ -1,0 +1,96 @@
+"""Policy losses. Each is `fn(inputs, cfg) -> (loss, metrics)` over token tensors (N, T).
+
+Three log-prob tensors meet here:
+
+- `logp`: the current policy, with gradient;
+- `old_logp`: the proximal policy the PPO ratio is taken against (the trainer's
+  weights before this batch's updates);
+- `behaviour_logp`: what the sampler reported for the tokens it generated.
+
+On one co-located machine `old_logp` and `behaviour_logp` agree up to numerics;
+on a decoupled swarm they differ (other weights, other kernels, bf16), and the
+truncated importance weight corrects for it (Yao et al. 2025, "Your efficient RL
+framework secretly brings you off-policy RL training"; the decoupled PPO
+objective of Hilton et al. 2021, arXiv 2110.00641, also used by AReaL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from echorl.config import LossConfig
+
+
+@dataclass
+class LossInputs:
+    logp: torch.Tensor  # (N, T) current policy, requires grad
+    old_logp: torch.Tensor  # (N, T) proximal policy
+    behaviour_logp: torch.Tensor  # (N, T) sampler's log-probs
+    advantages: torch.Tensor  # (N,) one per sequence
+    mask: torch.Tensor  # (N, T) 1 on completion tokens; prompt and padding are 0
+    ref_logp: torch.Tensor | None = None  # (N, T) frozen reference, for the KL term
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean") -> torch.Tensor:
+    """token_mean: sum(x*m) / sum(m) over everything; seq_mean: per-row mean, then mean of rows
+    (rows with no tokens are skipped)."""
+    if aggregation == "token_mean":
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    tokens = mask.sum(dim=1)
+    rows = tokens > 0
+    per_row = (x * mask).sum(dim=1)[rows] / tokens[rows]
+    return per_row.mean() if per_row.numel() else x.sum() * 0.0
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0
+    (Schulman, "Approximating KL divergence", 2020)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level PPO-clip with clip-higher and a truncated importance weight.
+
+        r_t   = exp(logp_t - old_t)
+        w_t   = min(exp(old_t - behaviour_t), C)                  (no gradient)
+        l_t   = -w_t * min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
+              + beta * k3(logp_t, ref_t)                          (when kl_coef > 0)
+        loss  = aggregate(l_t over completion tokens)
+
+    Asymmetric bounds are DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476).
+    When sampler and trainer agree, w_t = 1 and this is plain PPO/GRPO.
+    """
+    m = inp.mask.to(inp.logp.dtype)
+    keep = m.bool()
+    # Zero outside the mask first, so padding garbage can never turn into inf * 0 = nan.
+    log_ratio = torch.where(keep, inp.logp - inp.old_logp, 0.0)
+    log_is = torch.where(keep, inp.old_logp - inp.behaviour_logp, 0.0).detach()
+    ratio = torch.exp(log_ratio)
+    is_weight = torch.exp(log_is).clamp(max=cfg.is_cap)
+    adv = inp.advantages.to(inp.logp.dtype).unsqueeze(1)  # (N, 1)
+    surr = ratio * adv
+    surr_clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+    per_token = -is_weight * torch.minimum(surr, surr_clipped)
+    metrics = {}
+    if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
+        kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
+        per_token = per_token + cfg.kl_coef * kl
+        metrics["loss/kl_ref"] = masked_mean(kl.detach(), m).item()
+    loss = masked_mean(per_token, m, cfg.aggregation)
+    with torch.no_grad():
+        metrics |= {
+            "loss/policy": loss.item(),
+            "loss/clip_frac": masked_mean((surr_clipped < surr).float(), m).item(),
+            "loss/approx_kl_old": masked_mean(k3_kl(inp.logp, inp.old_logp), m).item(),
+            "loss/is_weight_mean": masked_mean(is_weight, m).item(),
+            "loss/is_clip_frac": masked_mean((torch.exp(log_is) > cfg.is_cap).float(), m).item(),
+        }
+    return loss, metrics
+
+
+LossFn = Callable[[LossInputs, LossConfig], tuple[torch.Tensor, dict[str, float]]]
+LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss}

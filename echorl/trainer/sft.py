@@ -1,0 +1,57 @@
+"""The warm-up: a short supervised phase on task demonstrations.
+
+RL needs signal: a randomly initialised tiny model never answers right, so its
+GRPO advantages are all zero. A few hundred steps of next-token training on
+`task.demonstration` answers give it a non-zero but imperfect reward; the
+result is saved as an ordinary HF checkpoint that becomes policy version 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.progress import Progress
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from echorl.config import SFTConfig
+from echorl.tasks import Task, problem_stream
+from echorl.trainer.batch import Sequence, collate, token_logprobs
+
+
+def demonstration_batches(task: Task, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig):
+    """Endless batches of prompt + demonstration + eos, loss on the answer and the eos."""
+    stream = problem_stream(task, cfg.seed, split="train")
+    eos = tokenizer.eos_token_id
+    while True:
+        problems = [next(stream) for _ in range(cfg.batch_size)]
+        prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+        answers = tokenizer([task.demonstration(p) for p in problems], add_special_tokens=False)["input_ids"]
+        seqs = [Sequence(p, a + [eos], [0.0] * (len(a) + 1), 0.0) for p, a in zip(prompts, answers)]
+        yield collate(seqs, tokenizer.pad_token_id)
+
+
+def warm_up(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, cfg: SFTConfig,
+    progress: Progress | None = None,
+) -> list[float]:
+    """Train `model` in place on demonstrations; returns the loss per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
+    # Linear decay to 10%: the short phase ends settled rather than mid-jump.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * i / max(cfg.steps, 1))
+    batches = demonstration_batches(task, tokenizer, cfg)
+    bar = progress.add_task(f"warm-up on {task.name}", total=cfg.steps) if progress else None
+    losses = []
+    model.train()
+    for _ in range(cfg.steps):
+        batch = next(batches)
+        logp, _ = token_logprobs(model, batch)
+        loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress.update(bar, advance=1, description=f"warm-up on {task.name}  loss {loss.item():.3f}")
+    model.eval()
+    return losses

@@ -1,0 +1,83 @@
+"""One policy update: from scored groups to optimiser steps.
+
+    groups -> advantages -> Batch -> old log-probs -> (epochs x minibatches) loss/backward/step
+
+`train_on_groups` is the whole trainer-side step, shared by the co-located loop
+and the decoupled trainer; it knows nothing of where the groups came from.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from echorl.config import OptimConfig, RunConfig
+from echorl.sampler.rollout import Group
+from echorl.trainer.advantages import compute_advantages
+from echorl.trainer.batch import Batch, Sequence, collate, token_logprobs
+from echorl.trainer.losses import LOSSES, LossInputs
+
+
+def build_optimizer(model: PreTrainedModel, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    warm = cfg.warmup_steps
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
+
+
+def groups_to_batch(groups: list[Group], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> Batch:
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (n_groups, G)
+    advantages = compute_advantages(rewards, cfg.advantage)
+    prompt_ids = tokenizer([g.problem.prompt for g in groups], add_special_tokens=False)["input_ids"]
+    seqs = [
+        Sequence(prompt_ids[i], c.token_ids, c.logprobs, advantages[i, j].item())
+        for i, g in enumerate(groups)
+        for j, c in enumerate(g.completions)
+    ]
+    return collate(seqs, tokenizer.pad_token_id)
+
+
+def train_on_batch(
+    model: PreTrainedModel, optimizer: torch.optim.Optimizer, scheduler, batch: Batch,
+    cfg: RunConfig, ref_model: PreTrainedModel | None = None, seed: int = 0,
+) -> dict[str, float]:
+    """PPO epochs over `batch`; returns metrics averaged over the optimiser steps."""
+    temperature = cfg.sampling.temperature or 1.0
+    with torch.no_grad():
+        old_logp, _ = token_logprobs(model, batch, temperature)
+        ref_logp = token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
+    loss_fn = LOSSES[cfg.loss.type]
+    gen = torch.Generator().manual_seed(seed)
+    sums: dict[str, float] = defaultdict(float)
+    steps = 0
+    model.train()
+    for _ in range(cfg.train.ppo_epochs):
+        order = torch.randperm(len(batch), generator=gen)
+        for idx in order.chunk(cfg.train.minibatches):
+            mb = batch.rows(idx)
+            logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
+            inputs = LossInputs(logp, old_logp[idx], mb.behaviour_logp, mb.advantages,
+                                mb.loss_mask, None if ref_logp is None else ref_logp[idx])
+            loss, metrics = loss_fn(inputs, cfg.loss)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            metrics["policy/entropy"] = ((entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)).item()
+            metrics["optim/grad_norm"] = grad_norm.item()
+            for k, v in metrics.items():
+                sums[k] += v
+            steps += 1
+    model.eval()
+    out = {k: v / steps for k, v in sums.items()}
+    out["optim/lr"] = scheduler.get_last_lr()[0]
+    mask = batch.loss_mask.bool()
+    # KL(behaviour || trainer) before the update: how far the sampler's policy was from ours.
+    out["rollout/kl_behaviour_old"] = (batch.behaviour_logp - old_logp)[mask].mean().item()
+    return out
