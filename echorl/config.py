@@ -27,11 +27,17 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="local HF model folder; unset = build the tiny model")
-    preset: Literal["1m", "10m", "50m"] = Field("1m", description="tiny-model size when `path` is unset")
+    path: str | None = Field(
+        None, description="local HF model folder; unset = build the tiny model"
+    )
+    preset: Literal["1m", "10m", "50m"] = Field(
+        "1m", description="tiny-model size when `path` is unset"
+    )
     init_seed: int = Field(0, ge=0, description="seed of the tiny model's random initialisation")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, mps")
-    threads: int | None = Field(None, ge=1, le=256, description="torch intra-op threads; unset = torch default")
+    threads: int | None = Field(
+        None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
+    )
 
 
 class TaskConfig(_Section):
@@ -51,7 +57,9 @@ class TaskConfig(_Section):
 class SamplingConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
-    max_new_tokens: int | None = Field(None, ge=1, le=32768, description="unset = the task's own bound")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=32768, description="unset = the task's own bound"
+    )
 
 
 class AdvantageConfig(_Section):
@@ -62,41 +70,68 @@ class AdvantageConfig(_Section):
 
 
 class LossConfig(_Section):
-    type: Literal["ppo_clip"] = Field("ppo_clip", description="policy loss, from echorl.trainer.losses.LOSSES")
-    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio lower bound is 1 - clip_low")
-    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="ratio upper bound is 1 + clip_high (DAPO clip-higher)")
-    aggregation: Literal["token_mean", "seq_mean"] = Field(
-        "token_mean", description="token_mean: mean over all tokens (DAPO); seq_mean: mean per sequence, then over sequences (GRPO)"
+    type: Literal["ppo_clip"] = Field(
+        "ppo_clip", description="policy loss, from echorl.trainer.losses.LOSSES"
     )
-    is_cap: float = Field(2.0, ge=1.0, le=1e6, description="C in the truncated importance weight min(exp(old - behaviour), C)")
-    kl_coef: float = Field(0.0, ge=0.0, le=10.0, description="weight of the k3 KL to the frozen initial policy; 0 = off")
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio lower bound is 1 - clip_low")
+    clip_high: float = Field(
+        0.28, ge=0.0, le=10.0, description="ratio upper bound is 1 + clip_high (DAPO clip-higher)"
+    )
+    aggregation: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean",
+        description="token_mean: mean over all tokens (DAPO); seq_mean: mean per sequence, then over sequences (GRPO)",
+    )
+    is_cap: float = Field(
+        2.0,
+        ge=1.0,
+        le=1e6,
+        description="C in the truncated importance weight min(exp(old - behaviour), C)",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="weight of the k3 KL to the frozen initial policy; 0 = off",
+    )
 
 
 class OptimConfig(_Section):
-    lr: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate")
+    lr: float = Field(
+        3e-5,
+        gt=0.0,
+        le=1.0,
+        description="AdamW learning rate (3e-4 collapses the 1m tiny model; see README)",
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.99, ge=0.0, lt=1.0)
     grad_clip: float = Field(1.0, gt=0.0, le=1e4, description="max global grad norm")
-    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in optimiser steps")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear learning-rate warm-up, in optimiser steps"
+    )
 
 
 class TrainConfig(_Section):
     """The RL loop: B prompts x G completions per step."""
 
-    steps: int = Field(100, ge=1, le=10_000_000, description="RL steps (policy versions published)")
+    steps: int = Field(120, ge=1, le=10_000_000, description="RL steps (policy versions published)")
     batch_prompts: int = Field(16, ge=1, le=65536, description="B: prompts per step")
     group_size: int = Field(8, ge=1, le=1024, description="G: completions per prompt")
     ppo_epochs: int = Field(1, ge=1, le=64, description="passes over each batch")
     minibatches: int = Field(1, ge=1, le=4096, description="optimiser steps per pass")
     seed: int = Field(0, ge=0, description="run seed; sampling seeds derive from (seed, step)")
     drop_flat_groups: bool = Field(
-        True, description="leave out groups whose rewards are all equal (zero advantage, no policy "
-        "gradient) so they neither dilute the token mean nor move Adam; a step with none left is skipped"
+        True,
+        description="leave out groups whose rewards are all equal (zero advantage, no policy "
+        "gradient) so they neither dilute the token mean nor move Adam; a step with none left is skipped",
     )
-    eval_every: int = Field(0, ge=0, description="steps between held-out greedy evaluations; 0 = start and end only")
+    eval_every: int = Field(
+        0, ge=0, description="steps between held-out greedy evaluations; 0 = start and end only"
+    )
     eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts per evaluation")
-    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only at the end")
+    checkpoint_every: int = Field(
+        50, ge=0, description="steps between checkpoints; 0 = only at the end"
+    )
     out_dir: str = Field("runs/colocated", description="metrics, checkpoints and plots go here")
 
     @model_validator(mode="after")
@@ -115,8 +150,10 @@ class SFTConfig(_Section):
 
     steps: int = Field(800, ge=0, le=10_000_000, description="optimiser steps")
     batch_size: int = Field(64, ge=1, le=65536)
-    lr: float = Field(1e-3, gt=0.0, le=1.0, description="peak rate, decayed linearly to 10%")
-    seed: int = Field(1, ge=0, description="seed of the demonstration stream (kept apart from RL's)")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="peak rate, decayed linearly to 30%")
+    seed: int = Field(
+        1, ge=0, description="seed of the demonstration stream (kept apart from RL's)"
+    )
 
 
 class RunConfig(_Section):

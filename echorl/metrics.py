@@ -25,7 +25,10 @@ class MetricsLog:
             path.write_text("")
 
     def write(self, record: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
 
@@ -51,7 +54,9 @@ def plot_reward_curve(records: list[dict], path: Path, title: str = "") -> Path:
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, reward, color="tab:blue", alpha=0.3, label="train reward (mean)")
-    ax.plot(steps, _moving_average(reward, 10), color="tab:blue", label="train reward (10-step avg)")
+    ax.plot(
+        steps, _moving_average(reward, 10), color="tab:blue", label="train reward (10-step avg)"
+    )
     if evals:
         ax.plot(*zip(*evals), "o-", color="tab:orange", label="held-out greedy accuracy")
     ax.set_xlabel("RL step (policy version)")

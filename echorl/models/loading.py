@@ -26,7 +26,9 @@ ROUND_TRIP_PROBE = "a b  c\n12 + 34 = 46"
 def _check_dir(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model folder (no config.json); echorl never downloads")
+        raise FileNotFoundError(
+            f"{path} is not a model folder (no config.json); echorl never downloads"
+        )
     return path
 
 
@@ -42,8 +44,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     ids = tokenizer(ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
     if tokenizer.decode(ids) != ROUND_TRIP_PROBE and (path / "tokenizer.json").is_file():
-        log.warning("%s: %s does not round-trip text; loading tokenizer.json directly",
-                    path, type(tokenizer).__name__)
+        log.warning(
+            "%s: %s does not round-trip text; loading tokenizer.json directly",
+            path,
+            type(tokenizer).__name__,
+        )
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

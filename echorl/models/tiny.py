@@ -38,7 +38,7 @@ def tiny_config(preset: str, vocab_size: int) -> Qwen2Config:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         rope_theta=10000.0,
         pad_token_id=0,
         eos_token_id=1,

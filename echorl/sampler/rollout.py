@@ -37,8 +37,13 @@ def safe_score(task: Task, problem: Problem, text: str) -> float:
 
 
 def rollout(
-    backend: HFBackend, task: Task, problems: list[Problem], group_size: int,
-    params: SamplingConfig, seed: int, version: int = 0,
+    backend: HFBackend,
+    task: Task,
+    problems: list[Problem],
+    group_size: int,
+    params: SamplingConfig,
+    seed: int,
+    version: int = 0,
 ) -> list[Group]:
     max_new = params.max_new_tokens or task.max_new_tokens
     outs = backend.generate([p.prompt for p in problems], group_size, params, max_new, seed)

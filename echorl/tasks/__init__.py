@@ -1,7 +1,7 @@
 """Tasks: the `Task` protocol and the built-in procedural tasks, by name.
 
-    from echorl.tasks import get_task
-    task = get_task("add")
+from echorl.tasks import get_task
+task = get_task("add")
 """
 
 from echorl.tasks.arithmetic import Arithmetic

@@ -18,7 +18,12 @@ from fractions import Fraction
 
 from echorl.tasks.base import Problem, first_line
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 _SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 MAX_EXPR_CHARS = 64
 
@@ -76,8 +81,9 @@ class Countdown:
             if value.denominator == 1 and value > 0:
                 break
         prompt = " ".join(map(str, sorted(numbers))) + f">{int(value)}:"
-        return Problem(self.name, seed, prompt, expr,
-                       data={"numbers": sorted(numbers), "target": int(value)})
+        return Problem(
+            self.name, seed, prompt, expr, data={"numbers": sorted(numbers), "target": int(value)}
+        )
 
     def score(self, problem: Problem, completion: str) -> float:
         try:

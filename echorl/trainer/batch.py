@@ -36,12 +36,27 @@ class Batch:
 
     def rows(self, index: torch.Tensor | slice) -> Batch:
         """The sub-batch of the given rows (a minibatch)."""
-        return Batch(self.input_ids[index], self.attention_mask[index], self.loss_mask[index],
-                     self.behaviour_logp[index], self.advantages[index])
+        return Batch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.loss_mask[index],
+            self.behaviour_logp[index],
+            self.advantages[index],
+        )
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                              self.behaviour_logp, self.advantages)))
+        return Batch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.loss_mask,
+                    self.behaviour_logp,
+                    self.advantages,
+                )
+            )
+        )
 
 
 def collate(seqs: list[Sequence], pad_id: int) -> Batch:

@@ -22,8 +22,13 @@ class TrainerState:
 
 
 def save_checkpoint(
-    root: Path, step: int, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    optimizer: torch.optim.Optimizer, scheduler, extra: dict | None = None,
+    root: Path,
+    step: int,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    extra: dict | None = None,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
@@ -31,14 +36,17 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp / "policy")
     tokenizer.save_pretrained(tmp / "policy")
-    torch.save({
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "extra": extra or {},
-    }, tmp / "trainer_state.pt")
+    torch.save(
+        {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "extra": extra or {},
+        },
+        tmp / "trainer_state.pt",
+    )
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     (root / "LATEST.tmp").write_text(final.name)

@@ -56,34 +56,60 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
     }
 
 
-def rl_step(backend: HFBackend, task: Task, cfg: RunConfig, step: int, opt, sched, ref_model) -> dict:
+def rl_step(
+    backend: HFBackend, task: Task, cfg: RunConfig, step: int, opt, sched, ref_model
+) -> dict:
     t0 = time.perf_counter()
-    groups = rollout(backend, task, step_problems(task, cfg, step), cfg.train.group_size,
-                     cfg.sampling, seed=derive_seed(cfg.train.seed, "sample", step), version=step)
+    groups = rollout(
+        backend,
+        task,
+        step_problems(task, cfg, step),
+        cfg.train.group_size,
+        cfg.sampling,
+        seed=derive_seed(cfg.train.seed, "sample", step),
+        version=step,
+    )
     t1 = time.perf_counter()
     informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
     metrics = {"optim/skipped": 1.0}
     if informative:
         batch = groups_to_batch(informative, backend.tokenizer, cfg)
-        metrics = train_on_batch(backend.model, opt, sched, batch, cfg, ref_model,
-                                 seed=derive_seed(cfg.train.seed, "shuffle", step))
+        metrics = train_on_batch(
+            backend.model,
+            opt,
+            sched,
+            batch,
+            cfg,
+            ref_model,
+            seed=derive_seed(cfg.train.seed, "shuffle", step),
+        )
         metrics["optim/skipped"] = 0.0
     t2 = time.perf_counter()
     tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
     return {
-        "step": step, **reward_metrics(groups), **metrics,
-        "perf/gen_s": t1 - t0, "perf/gen_tokens_per_s": tokens / (t1 - t0),
-        "trainer/step_s": t2 - t1, "perf/total_s": t2 - t0,
+        "step": step,
+        **reward_metrics(groups),
+        **metrics,
+        "perf/gen_s": t1 - t0,
+        "perf/gen_tokens_per_s": tokens / (t1 - t0),
+        "trainer/step_s": t2 - t1,
+        "perf/total_s": t2 - t0,
     }
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
-def run_colocated(cfg: RunConfig, model_dir: str | Path, resume: bool = False,
-                  console: Console | None = None) -> RunResult:
+def run_colocated(
+    cfg: RunConfig, model_dir: str | Path, resume: bool = False, console: Console | None = None
+) -> RunResult:
     console = console or Console()
     out = Path(cfg.train.out_dir)
     if cfg.model.threads:
@@ -111,17 +137,27 @@ def run_colocated(cfg: RunConfig, model_dir: str | Path, resume: bool = False,
                 ev = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
                 record |= {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
             log.write(record | {"step": done})
-            progress.update(bar, advance=1, description=(
-                f"RL {task.name}  reward {record['reward/mean']:.3f}  "
-                f"{record['perf/gen_tokens_per_s']:.0f} tok/s"))
+            progress.update(
+                bar,
+                advance=1,
+                description=(
+                    f"RL {task.name}  reward {record['reward/mean']:.3f}  "
+                    f"{record['perf/gen_tokens_per_s']:.0f} tok/s"
+                ),
+            )
             if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
     after = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
-    log.write({"step": cfg.train.steps, "eval/accuracy": after.accuracy, "eval/reward": after.reward})
+    log.write(
+        {"step": cfg.train.steps, "eval/accuracy": after.accuracy, "eval/reward": after.reward}
+    )
     save_checkpoint(out / "checkpoints", cfg.train.steps, model, tokenizer, opt, sched)
     policy = out / "policy"
     model.save_pretrained(policy)
     tokenizer.save_pretrained(policy)
-    plot = plot_reward_curve(read_metrics(out / "metrics.jsonl"), out / "reward_curve.png",
-                             title=f"co-located GRPO on {task.name}")
+    plot = plot_reward_curve(
+        read_metrics(out / "metrics.jsonl"),
+        out / "reward_curve.png",
+        title=f"co-located GRPO on {task.name}",
+    )
     return RunResult(before, after, out / "metrics.jsonl", plot, policy)

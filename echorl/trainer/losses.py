@@ -34,7 +34,9 @@ class LossInputs:
     ref_logp: torch.Tensor | None = None  # (N, T) frozen reference, for the KL term
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean") -> torch.Tensor:
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean"
+) -> torch.Tensor:
     """token_mean: sum(x*m) / sum(m) over everything; seq_mean: per-row mean, then mean of rows
     (rows with no tokens are skipped)."""
     if aggregation == "token_mean":

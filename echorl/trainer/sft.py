@@ -24,19 +24,25 @@ def demonstration_batches(task: Task, tokenizer: PreTrainedTokenizerBase, cfg: S
     while True:
         problems = [next(stream) for _ in range(cfg.batch_size)]
         prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-        answers = tokenizer([task.demonstration(p) for p in problems], add_special_tokens=False)["input_ids"]
+        answers = tokenizer([task.demonstration(p) for p in problems], add_special_tokens=False)[
+            "input_ids"
+        ]
         seqs = [Sequence(p, a + [eos], [0.0] * (len(a) + 1), 0.0) for p, a in zip(prompts, answers)]
         yield collate(seqs, tokenizer.pad_token_id)
 
 
 def warm_up(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, cfg: SFTConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    cfg: SFTConfig,
     progress: Progress | None = None,
 ) -> list[float]:
     """Train `model` in place on demonstrations; returns the loss per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
-    # Linear decay to 10%: the short phase ends settled rather than mid-jump.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * i / max(cfg.steps, 1))
+    # Linear decay to 30%, not lower: RL then runs at a rate well below where warm-up ended,
+    # which keeps the first policy-gradient steps inside the region warm-up left stable.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.7 * i / max(cfg.steps, 1))
     batches = demonstration_batches(task, tokenizer, cfg)
     bar = progress.add_task(f"warm-up on {task.name}", total=cfg.steps) if progress else None
     losses = []
@@ -52,6 +58,8 @@ def warm_up(
         sched.step()
         losses.append(loss.item())
         if progress is not None:
-            progress.update(bar, advance=1, description=f"warm-up on {task.name}  loss {loss.item():.3f}")
+            progress.update(
+                bar, advance=1, description=f"warm-up on {task.name}  loss {loss.item():.3f}"
+            )
     model.eval()
     return losses

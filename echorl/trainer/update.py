@@ -21,19 +21,28 @@ from echorl.trainer.losses import LOSSES, LossInputs
 
 
 def build_optimizer(model: PreTrainedModel, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+    )
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg: OptimConfig
+) -> torch.optim.lr_scheduler.LRScheduler:
     warm = cfg.warmup_steps
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0
+    )
 
 
-def groups_to_batch(groups: list[Group], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> Batch:
+def groups_to_batch(
+    groups: list[Group], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig
+) -> Batch:
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (n_groups, G)
     advantages = compute_advantages(rewards, cfg.advantage)
-    prompt_ids = tokenizer([g.problem.prompt for g in groups], add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer([g.problem.prompt for g in groups], add_special_tokens=False)[
+        "input_ids"
+    ]
     seqs = [
         Sequence(prompt_ids[i], c.token_ids, c.logprobs, advantages[i, j].item())
         for i, g in enumerate(groups)
@@ -43,14 +52,21 @@ def groups_to_batch(groups: list[Group], tokenizer: PreTrainedTokenizerBase, cfg
 
 
 def train_on_batch(
-    model: PreTrainedModel, optimizer: torch.optim.Optimizer, scheduler, batch: Batch,
-    cfg: RunConfig, ref_model: PreTrainedModel | None = None, seed: int = 0,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: Batch,
+    cfg: RunConfig,
+    ref_model: PreTrainedModel | None = None,
+    seed: int = 0,
 ) -> dict[str, float]:
     """PPO epochs over `batch`; returns metrics averaged over the optimiser steps."""
     temperature = cfg.sampling.temperature or 1.0
     with torch.no_grad():
         old_logp, _ = token_logprobs(model, batch, temperature)
-        ref_logp = token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
+        ref_logp = (
+            token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
+        )
     loss_fn = LOSSES[cfg.loss.type]
     gen = torch.Generator().manual_seed(seed)
     sums: dict[str, float] = defaultdict(float)
@@ -61,15 +77,23 @@ def train_on_batch(
         for idx in order.chunk(cfg.train.minibatches):
             mb = batch.rows(idx)
             logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
-            inputs = LossInputs(logp, old_logp[idx], mb.behaviour_logp, mb.advantages,
-                                mb.loss_mask, None if ref_logp is None else ref_logp[idx])
+            inputs = LossInputs(
+                logp,
+                old_logp[idx],
+                mb.behaviour_logp,
+                mb.advantages,
+                mb.loss_mask,
+                None if ref_logp is None else ref_logp[idx],
+            )
             loss, metrics = loss_fn(inputs, cfg.loss)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
             scheduler.step()
-            metrics["policy/entropy"] = ((entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)).item()
+            metrics["policy/entropy"] = (
+                (entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
+            ).item()
             metrics["optim/grad_norm"] = grad_norm.item()
             for k, v in metrics.items():
                 sums[k] += v

@@ -41,16 +41,23 @@ class HFBackend:
     ) -> list[list[Completion]]:
         """G = `n` completions per prompt; same `seed` and weights give the same tokens."""
         tok = self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left",
-                  add_special_tokens=False).to(self.device)
+        expanded = [p for p in prompts for _ in range(n)]  # (B*n,), each prompt n times in a row
+        enc = tok(
+            expanded,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        ).to(self.device)
         greedy = params.temperature == 0.0
         # top_k=0: never the library's default top-k; the sampling distribution is ours to define.
-        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        sampling = (
+            {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        )
         torch.manual_seed(seed)
         out = self.model.generate(
             **enc,
             do_sample=not greedy,
-            num_return_sequences=n,
             max_new_tokens=max_new_tokens,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
@@ -58,7 +65,7 @@ class HFBackend:
             output_scores=True,
             **sampling,
         )
-        new = out.sequences[:, enc["input_ids"].shape[1]:]  # (B*n, T)
+        new = out.sequences[:, enc["input_ids"].shape[1] :]  # (B*n, T)
         scores = torch.stack(out.scores, dim=1).float()  # (B*n, T, V), processed logits
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         return _split(new.tolist(), logprobs.tolist(), n, tok)

@@ -1,0 +1,200 @@
+"""`echorl` command line: build the tiny model, warm it up, train, evaluate, demo.
+
+echorl demo                                   # tiny model, warm-up, co-located RL, plot
+echorl tiny runs/tiny --preset 1m
+echorl sft --task add --model runs/tiny --out runs/sft
+echorl train --colocated --task add --model runs/sft -o train.steps=100
+echorl eval --task add --model runs/colocated/policy
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from echorl.config import ConfigError, RunConfig, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+console = Console()
+
+CONFIG = typer.Option(None, "--config", "-c", help="run config, TOML or YAML")
+OVERRIDE = typer.Option(
+    None, "--set", "-o", help="override a config field: section.field=value (repeatable)"
+)
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _config(path: Path | None, overrides: list[str] | None, **fields: object) -> RunConfig:
+    extra = [f"{k}={v}" for k, v in fields.items() if v is not None]
+    try:
+        return load_config(path, [*extra, *(overrides or [])])
+    except ConfigError as e:
+        console.print(f"[red]config error:[/red] {e}")
+        raise typer.Exit(2) from None
+
+
+def _threads(cfg: RunConfig) -> None:
+    import torch
+
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+
+
+@app.command()
+def tiny(out: Path, preset: str = typer.Option("1m", help="1m, 10m or 50m"), seed: int = 0) -> None:
+    """Build the randomly initialised tiny model and save it as an HF folder."""
+    from echorl.models import PRESETS, save_tiny_model
+
+    if preset not in PRESETS:
+        console.print(
+            f"[red]--preset:[/red] unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
+        )
+        raise typer.Exit(2)
+    _quiet_transformers()
+    save_tiny_model(out, preset, seed)
+    console.print(f"tiny model ({preset}) saved to {out}")
+
+
+def warm_up_to(cfg: RunConfig, model_dir: Path | None, out: Path) -> Path:
+    """Warm up `model_dir` (or a fresh tiny model) on the task and save it to `out`."""
+    from rich.progress import Progress
+
+    from echorl.models import build_tiny_model, load_policy
+    from echorl.tasks import get_task
+    from echorl.trainer.sft import warm_up
+
+    if model_dir:
+        model, tokenizer = load_policy(model_dir, cfg.model.device)
+    else:
+        model, tokenizer = build_tiny_model(cfg.model.preset, cfg.model.init_seed)
+    with Progress(console=console) as progress:
+        losses = warm_up(model, tokenizer, get_task(cfg.task.name), cfg.sft, progress)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if losses:
+        console.print(f"warm-up loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {out}")
+    return out
+
+
+@app.command()
+def sft(
+    out: Path = typer.Option(..., help="where to save the warmed-up checkpoint (policy version 0)"),
+    task: str = typer.Option(None, help="task name (task.name)"),
+    model: Path = typer.Option(None, help="local HF model folder; unset = a fresh tiny model"),
+    steps: int = typer.Option(None, help="warm-up steps (sft.steps)"),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """Supervised warm-up on task demonstrations."""
+    cfg = _config(config, override, **{"task.name": task, "sft.steps": steps})
+    _quiet_transformers()
+    _threads(cfg)
+    warm_up_to(cfg, model, out)
+
+
+def _print_result(result, before=None) -> None:
+    before = before or result.before
+    table = Table(title="held-out greedy accuracy")
+    table.add_column("before RL")
+    table.add_column("after RL")
+    table.add_row(f"{before.accuracy:.3f}" if before else "-", f"{result.after.accuracy:.3f}")
+    console.print(table)
+    console.print(
+        f"metrics: {result.metrics_path}\nreward curve: {result.plot_path}\npolicy: {result.policy_path}"
+    )
+
+
+@app.command()
+def train(
+    colocated: bool = typer.Option(
+        False, "--colocated", help="generate and train in this one process"
+    ),
+    task: str = typer.Option(None, help="task name (task.name)"),
+    model: Path = typer.Option(None, help="local HF model folder (policy version 0)"),
+    steps: int = typer.Option(None, help="RL steps (train.steps)"),
+    out: str = typer.Option(None, help="output folder (train.out_dir)"),
+    resume: bool = typer.Option(
+        False, help="continue from the latest checkpoint in the output folder"
+    ),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """RL training. `--colocated` runs the single-process reference loop."""
+    if not colocated:
+        console.print(
+            "[red]--colocated:[/red] only the co-located loop exists in this release; "
+            "the decoupled trainer runs against a broker (see the README's roadmap)"
+        )
+        raise typer.Exit(2)
+    cfg = _config(
+        config, override, **{"task.name": task, "train.steps": steps, "train.out_dir": out}
+    )
+    model_path = model or cfg.model.path
+    if model_path is None:
+        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
+        raise typer.Exit(2)
+    _quiet_transformers()
+    from echorl.trainer.colocated import run_colocated
+
+    _print_result(run_colocated(cfg, model_path, resume=resume, console=console))
+
+
+@app.command("eval")
+def evaluate_cmd(
+    model: Path = typer.Option(..., help="local HF model folder"),
+    task: str = typer.Option("add", help="task name"),
+    n: int = typer.Option(200, min=1, help="held-out problems"),
+    seed: int = 0,
+) -> None:
+    """Greedy accuracy on held-out problems."""
+    cfg = _config(None, None, **{"task.name": task})
+    _quiet_transformers()
+    from echorl.models import load_policy
+    from echorl.sampler.backends.hf import HFBackend
+    from echorl.tasks import get_task
+    from echorl.trainer.evaluate import evaluate
+
+    result = evaluate(HFBackend(*load_policy(model)), get_task(cfg.task.name), n, seed)
+    console.print(f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f} (n={result.n})")
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), help="output folder"),
+    task: str = typer.Option(None, help="task name"),
+    steps: int = typer.Option(None, help="RL steps"),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """The whole pipeline on the tiny model: warm-up, co-located RL, before/after, plot."""
+    cfg = _config(
+        config,
+        override,
+        **{"task.name": task, "train.steps": steps, "train.out_dir": str(out / "rl")},
+    )
+    _quiet_transformers()
+    _threads(cfg)
+    from echorl.trainer.colocated import run_colocated
+
+    console.rule(f"warm-up: tiny {cfg.model.preset} model on {cfg.task.name}")
+    sft_dir = warm_up_to(cfg, None, out / "sft")
+    console.rule(
+        f"co-located GRPO: {cfg.train.steps} steps of {cfg.train.batch_prompts}x{cfg.train.group_size}"
+    )
+    _print_result(run_colocated(cfg, sft_dir, console=console))
+
+
+if __name__ == "__main__":
+    app()

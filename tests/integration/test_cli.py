@@ -1,0 +1,97 @@
+"""The `echorl` CLI as a user runs it: real subprocesses, real files."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def echorl(*args, check=True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"echorl {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "sft"
+    echorl("sft", "--task", "add", "--out", str(out), "--steps", "40")
+    return out
+
+
+def test_colocated_train_writes_metrics_checkpoints_and_plot_then_resumes(warm, tmp_path):
+    out = tmp_path / "rl"
+    common = [
+        "train",
+        "--colocated",
+        "--task",
+        "add",
+        "--model",
+        str(warm),
+        "--out",
+        str(out),
+        "-o",
+        "train.batch_prompts=4",
+        "-o",
+        "train.group_size=4",
+        "-o",
+        "train.eval_prompts=16",
+        "-o",
+        "train.checkpoint_every=2",
+        "-o",
+        "train.drop_flat_groups=false",
+    ]
+    run = echorl(*common, "--steps", "3")
+    assert "held-out greedy accuracy" in run.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "reward/mean" in r]
+    assert steps == [1, 2, 3]
+    for key in (
+        "reward/mean",
+        "reward/accuracy",
+        "loss/clip_frac",
+        "policy/entropy",
+        "perf/gen_tokens_per_s",
+        "trainer/step_s",
+    ):
+        assert key in records[1], key
+    assert (out / "reward_curve.png").stat().st_size > 5_000
+    assert (out / "checkpoints" / "LATEST").read_text() == "step_0000003"
+    assert (out / "policy" / "model.safetensors").is_file()
+
+    echorl(*common, "--steps", "5", "--resume")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert (out / "checkpoints" / "LATEST").read_text() == "step_0000005"
+
+
+def test_bad_config_field_is_named_and_nothing_runs(warm, tmp_path):
+    proc = echorl(
+        "train",
+        "--colocated",
+        "--model",
+        str(warm),
+        "--out",
+        str(tmp_path / "x"),
+        "-o",
+        "train.group_size=0",
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "train.group_size" in proc.stdout
+    assert not (tmp_path / "x").exists()
+
+
+def test_train_without_colocated_says_why(warm):
+    proc = echorl("train", "--model", str(warm), check=False)
+    assert proc.returncode == 2 and "--colocated" in proc.stdout
+
+
+def test_eval_prints_accuracy(warm):
+    assert "held-out greedy accuracy" in echorl("eval", "--model", str(warm), "--n", "8").stdout

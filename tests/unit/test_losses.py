@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+from echorl.config import LossConfig
+from echorl.trainer.losses import LossInputs, k3_kl, masked_mean, ppo_clip_loss
+
+L = math.log
+
+
+def inputs(logp, old, behaviour, adv, mask, ref=None):
+    t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    lp = t(logp).requires_grad_(True)
+    return LossInputs(lp, t(old), t(behaviour), t(adv), t(mask), None if ref is None else t(ref))
+
+
+def test_ppo_clip_with_truncated_importance_weight_by_hand():
+    # Token 1: ratio 0.5/0.4 = 1.25 (inside 1.28), IS weight 0.4/0.4 = 1   -> -1.25
+    # Token 2: ratio 1, IS weight 0.6/0.3 = 2, capped at 1.5              -> -1.5
+    # Token 3: masked out; garbage there must not leak (inf, nan).
+    inp = inputs(
+        [[L(0.5), L(0.6), -math.inf]],
+        [[L(0.4), L(0.6), 0.0]],
+        [[L(0.4), L(0.3), math.nan]],
+        [1.0],
+        [[1, 1, 0]],
+    )
+    loss, m = ppo_clip_loss(inp, LossConfig(clip_low=0.2, clip_high=0.28, is_cap=1.5))
+    assert loss.item() == pytest.approx(-1.375, abs=1e-6)
+    assert m["loss/is_weight_mean"] == pytest.approx(1.25, abs=1e-6)
+    assert m["loss/is_clip_frac"] == pytest.approx(0.5)
+    assert m["loss/clip_frac"] == 0.0
+    loss.backward()
+    g = inp.logp.grad[0]
+    # d/dlogp of -w * r * A / n_tokens = -w * r * A / 2
+    assert g[0].item() == pytest.approx(-1.25 / 2, abs=1e-6)
+    assert g[1].item() == pytest.approx(-1.5 / 2, abs=1e-6)
+    assert g[2].item() == 0.0
+
+
+def test_clip_higher_bounds_are_asymmetric_and_pessimistic():
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, is_cap=2.0)
+    # A > 0, ratio 1.5 -> clipped to 1.28; no gradient through the clipped branch.
+    inp = inputs([[L(0.75)]], [[L(0.5)]], [[L(0.5)]], [1.0], [[1]])
+    loss, m = ppo_clip_loss(inp, cfg)
+    assert loss.item() == pytest.approx(-1.28, abs=1e-6)
+    assert m["loss/clip_frac"] == 1.0
+    loss.backward()
+    assert inp.logp.grad.item() == 0.0
+    # A < 0, ratio 0.5 -> min(-0.5, -0.8) = -0.8, loss +0.8.
+    loss, _ = ppo_clip_loss(inputs([[L(0.25)]], [[L(0.5)]], [[L(0.5)]], [-1.0], [[1]]), cfg)
+    assert loss.item() == pytest.approx(0.8, abs=1e-6)
+
+
+def test_identity_when_sampler_and_trainer_agree():
+    lp = [[L(0.3), L(0.9)]]
+    loss, m = ppo_clip_loss(inputs(lp, lp, lp, [2.0], [[1, 1]]), LossConfig())
+    assert loss.item() == pytest.approx(-2.0, abs=1e-6)
+    assert m["loss/is_weight_mean"] == pytest.approx(1.0)
+    assert m["loss/approx_kl_old"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_token_mean_and_sequence_mean_differ_as_defined():
+    # ratio = w = 1, so the per-token loss is -A: row 1 [-2, -2], row 2 [-5].
+    lp = [[L(0.5), L(0.5)], [L(0.5), 0.0]]
+    base = dict(logp=lp, old=lp, behaviour=lp, adv=[2.0, 5.0], mask=[[1, 1], [1, 0]])
+    tok, _ = ppo_clip_loss(inputs(**base), LossConfig(aggregation="token_mean"))
+    seq, _ = ppo_clip_loss(inputs(**base), LossConfig(aggregation="seq_mean"))
+    assert tok.item() == pytest.approx(-9 / 3)
+    assert seq.item() == pytest.approx((-2 - 5) / 2)
+
+
+def test_k3_kl_by_hand_and_in_the_loss():
+    assert k3_kl(torch.tensor(L(0.5)), torch.tensor(L(0.25))).item() == pytest.approx(
+        0.5 + math.log(2) - 1, abs=1e-6
+    )
+    assert k3_kl(torch.tensor(-1.0), torch.tensor(-1.0)).item() == 0.0
+    lp = [[L(0.5)]]
+    loss, m = ppo_clip_loss(
+        inputs(lp, lp, lp, [0.0], [[1]], ref=[[L(0.25)]]), LossConfig(kl_coef=0.1)
+    )
+    assert m["loss/kl_ref"] == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+    assert loss.item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1), abs=1e-6)
+
+
+def test_masked_mean_skips_empty_rows():
+    x = torch.tensor([[1.0, 3.0], [9.0, 9.0]])
+    m = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert masked_mean(x, m, "seq_mean").item() == 2.0
+    assert masked_mean(x, m, "token_mean").item() == 2.0
