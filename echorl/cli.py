@@ -104,12 +104,21 @@ def sft(
     warm_up_to(cfg, model, out)
 
 
-def _print_result(result, before=None) -> None:
-    before = before or result.before
-    table = Table(title="held-out greedy accuracy")
-    table.add_column("before RL")
-    table.add_column("after RL")
-    table.add_row(f"{before.accuracy:.3f}" if before else "-", f"{result.after.accuracy:.3f}")
+def _print_result(result) -> None:
+    from echorl.metrics import read_metrics
+
+    rewards = [r["reward/mean"] for r in read_metrics(result.metrics_path) if "reward/mean" in r]
+    k = max(1, min(20, len(rewards) // 2))
+    table = Table(title="before and after RL")
+    for col in ("", "before", "after"):
+        table.add_column(col)
+    before = f"{result.before.accuracy:.3f}" if result.before else "-"
+    table.add_row("held-out greedy accuracy", before, f"{result.after.accuracy:.3f}")
+    table.add_row(
+        f"train reward (mean of first/last {k} steps)",
+        f"{sum(rewards[:k]) / k:.3f}",
+        f"{sum(rewards[-k:]) / k:.3f}",
+    )
     console.print(table)
     console.print(
         f"metrics: {result.metrics_path}\nreward curve: {result.plot_path}\npolicy: {result.policy_path}"
