@@ -18,11 +18,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 class MetricsLog:
     """Append-only JSONL; each line is flushed so a crash loses at most the step in flight."""
 
-    def __init__(self, path: Path, truncate: bool = False):
+    def __init__(self, path: Path, keep_through_step: int = 0):
+        """Open `path` for appending, first dropping records of steps after `keep_through_step`
+        (a resumed run rewrites what it logged after its checkpoint); 0 starts afresh."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if truncate:
-            path.write_text("")
+        kept = []
+        if keep_through_step and path.is_file():
+            kept = [r for r in read_metrics(path) if r.get("step", 0) <= keep_through_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
         clean = {

@@ -122,7 +122,7 @@ def run_colocated(
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim)
     start = load_trainer_state(ckpt, opt, sched).step if ckpt else 0
-    log = MetricsLog(out / "metrics.jsonl", truncate=not ckpt)
+    log = MetricsLog(out / "metrics.jsonl", keep_through_step=start)
     before = None
     if start == 0:
         before = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)

@@ -65,9 +65,13 @@ def test_colocated_train_writes_metrics_checkpoints_and_plot_then_resumes(warm, 
     assert (out / "checkpoints" / "LATEST").read_text() == "step_0000003"
     assert (out / "policy" / "model.safetensors").is_file()
 
+    # A crash after step 3's checkpoint but with step 4 already logged: resume rewrites step 4.
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "reward/mean": -1.0}) + "\n")
     echorl(*common, "--steps", "5", "--resume")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert all(r["reward/mean"] >= 0 for r in records if "reward/mean" in r)
     assert (out / "checkpoints" / "LATEST").read_text() == "step_0000005"
 
 
