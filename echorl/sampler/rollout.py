@@ -10,6 +10,8 @@ import logging
 from dataclasses import dataclass
 
 from echorl.config import SamplingConfig
+from echorl.protocol import Completion as WireCompletion
+from echorl.protocol import RolloutGroup
 from echorl.sampler.backends.hf import Completion, HFBackend
 from echorl.tasks import Problem, Task
 
@@ -51,3 +53,17 @@ def rollout(
         Group(p, comps, [safe_score(task, p, c.text) for c in comps], version)
         for p, comps in zip(problems, outs)
     ]
+
+
+def to_wire(group: Group, job_id: int, gen_seconds: float = 0.0) -> RolloutGroup:
+    """The group as a sampler pushes it to the broker (its rewards go as claims only)."""
+    return RolloutGroup(
+        job_id=job_id,
+        version=group.version,
+        completions=[
+            WireCompletion(token_ids=c.token_ids, logprobs=c.logprobs, finished=c.finished)
+            for c in group.completions
+        ],
+        claimed_rewards=group.rewards,
+        gen_seconds=gen_seconds,
+    )

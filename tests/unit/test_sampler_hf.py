@@ -69,3 +69,20 @@ def test_greedy_is_deterministic_and_stops_at_eos(tiny):
         assert c.finished == (c.token_ids[-1] == tok.eos_token_id)
         assert tok.eos_token_id not in c.token_ids[:-1]
         assert len(c.logprobs) == len(c.token_ids)
+
+
+def test_real_rollouts_satisfy_the_wire_protocol(tiny):
+    from echorl.config import SamplingConfig
+    from echorl.sampler.rollout import rollout, to_wire
+    from echorl.tasks import get_task, take
+
+    model, tok = tiny
+    task = get_task("countdown")
+    groups = rollout(
+        HFBackend(model, tok), task, take(task, 3, seed=0), 4, SamplingConfig(), seed=0
+    )
+    for job_id, g in enumerate(groups):
+        wire = to_wire(g, job_id)
+        wire.check_against(vocab_size=len(tok), group_size=4, latest_version=0)
+        assert wire.claimed_rewards == g.rewards
+        assert wire.tokens == sum(len(c.token_ids) for c in g.completions)
