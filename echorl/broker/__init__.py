@@ -1,0 +1,1 @@
+"""The broker: jobs on leases, the replay buffer, policy versions, durable in SQLite."""

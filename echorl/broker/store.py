@@ -1,0 +1,377 @@
+"""The broker's durable state in one SQLite file (WAL): samplers, jobs, rollouts, versions.
+
+Every method is one transaction, so a crash at any point leaves either the
+state before it or the state after it, and a method that returns has made its
+change durable (WAL commit; `synchronous="FULL"` also survives power loss).
+The store knows nothing of HTTP, auth or weights' bytes: the app maps its
+`ProtocolError`s to 4xx answers.
+
+Job lifecycle:   queued --lease--> leased --push--> done
+                   ^                  | deadline passed / sampler lost
+                   +------------------+  (attempts + 1; parked after max_attempts)
+Rollout lifecycle: ready --pull--> pulled --ack(step)--> consumed
+                     ^                |  trainer lease passed
+                     +----------------+
+                   ready --too stale at pull--> stale (dropped, counted)
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from echorl.protocol import Job, ProtocolError, RolloutGroup, SamplerInfo
+from echorl.seeding import derive_seed
+from echorl.tasks import Problem, is_heldout
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS samplers (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, hardware TEXT NOT NULL, backend TEXT NOT NULL,
+    max_batch INTEGER NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
+    version_held INTEGER, state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left')));
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id INTEGER PRIMARY KEY, task TEXT NOT NULL, seed INTEGER NOT NULL, prompt TEXT NOT NULL,
+    group_size INTEGER NOT NULL, required_version INTEGER,
+    state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'done', 'parked')),
+    lease_owner TEXT, lease_deadline REAL, attempts INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, job_id);
+CREATE TABLE IF NOT EXISTS rollouts (
+    job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), version INTEGER NOT NULL,
+    sampler_id TEXT NOT NULL, body TEXT NOT NULL, rewards TEXT NOT NULL, created_at REAL NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('ready', 'pulled', 'consumed', 'stale')),
+    pull_deadline REAL, consumed_step INTEGER);
+CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
+"""
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """A rollout group as the trainer pulls it: the sampler's group plus the broker's rewards."""
+
+    group: RolloutGroup
+    rewards: list[float]  # recomputed by the broker's verifier; the only rewards trained on
+    sampler_id: str
+
+
+ProblemFn = Callable[[int], Problem]  # job seed -> problem (the task's own `problem`)
+
+
+class BrokerStore:
+    def __init__(
+        self,
+        path: str | Path,
+        task: str,
+        problem: ProblemFn,
+        run_seed: int = 0,
+        vocab_size: int = 1 << 20,
+        synchronous: str = "NORMAL",
+        max_attempts: int = 5,
+    ):
+        assert synchronous in ("NORMAL", "FULL"), (
+            f"synchronous must be NORMAL or FULL, not {synchronous}"
+        )
+        self.task, self.problem, self.run_seed = task, problem, run_seed
+        self.vocab_size, self.max_attempts = vocab_size, max_attempts
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(f"PRAGMA synchronous={synchronous}")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+        self._tx(
+            lambda c: c.execute(
+                "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', 0)"
+            )
+        )
+
+    def _tx(self, fn):
+        """Run `fn(cursor)` in one IMMEDIATE transaction (writers serialise, readers never block)."""
+        cur = self.db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(cur)
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+        return out
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- versions -----------------------------------------------------------------------------
+
+    def latest_version(self) -> int:
+        return self.db.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
+
+    def set_latest_version(self, version: int) -> None:
+        def fn(c):
+            latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
+            if version != latest + 1:
+                raise ProtocolError(f"version {version} is not the next one (latest is {latest})")
+            c.execute("UPDATE meta SET value = ? WHERE key = 'latest_version'", (version,))
+
+        self._tx(fn)
+
+    # -- samplers -----------------------------------------------------------------------------
+
+    def register(self, info: SamplerInfo, now: float) -> str:
+        sampler_id = uuid.uuid4().hex[:16]
+        self._tx(
+            lambda c: c.execute(
+                "INSERT INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 'alive')",
+                (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now),
+            )
+        )
+        return sampler_id
+
+    def heartbeat(self, sampler_id: str, now: float, version_held: int | None = None) -> None:
+        def fn(c):
+            row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
+            if row is None:
+                raise ProtocolError(f"unknown sampler {sampler_id!r}; register first")
+            if row[0] == "left":
+                raise ProtocolError(f"sampler {sampler_id!r} has left; register again")
+            c.execute(
+                "UPDATE samplers SET last_seen = ?, state = 'alive', "
+                "version_held = COALESCE(?, version_held) WHERE id = ?",
+                (now, version_held, sampler_id),
+            )
+
+        self._tx(fn)
+
+    def expire(self, now: float, sampler_timeout: float) -> tuple[int, int]:
+        """Mark silent samplers lost and return expired leases to the queue.
+        Returns (leases returned, samplers lost)."""
+
+        def fn(c):
+            lost = c.execute(
+                "UPDATE samplers SET state = 'lost' WHERE state = 'alive' AND last_seen < ?",
+                (now - sampler_timeout,),
+            ).rowcount
+            returned = c.execute(
+                "UPDATE jobs SET state = CASE WHEN attempts + 1 >= ? THEN 'parked' ELSE 'queued' END, "
+                "attempts = attempts + 1, lease_owner = NULL, lease_deadline = NULL "
+                "WHERE state = 'leased' AND (lease_deadline < ? OR lease_owner IN "
+                "(SELECT id FROM samplers WHERE state != 'alive'))",
+                (self.max_attempts, now),
+            ).rowcount
+            c.execute(
+                "UPDATE rollouts SET state = 'ready', pull_deadline = NULL "
+                "WHERE state = 'pulled' AND pull_deadline < ?",
+                (now,),
+            )
+            return returned, lost
+
+        return self._tx(fn)
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    def _problem_for(self, job_id: int) -> tuple[int, Problem]:
+        """The job's problem: a deterministic function of (run seed, job id), never held out."""
+        for attempt in range(1000):
+            seed = derive_seed(self.run_seed, "job", job_id, attempt)
+            problem = self.problem(seed)
+            if not is_heldout(problem):
+                return seed, problem
+        raise AssertionError(f"job {job_id}: 1000 draws were all held-out problems")
+
+    def lease(
+        self,
+        sampler_id: str,
+        n: int,
+        group_size: int,
+        now: float,
+        lease_seconds: float,
+        required_version: int | None = None,
+    ) -> list[Job]:
+        """Up to `n` jobs for `sampler_id`: queued ones first, then new ones from the cursor."""
+
+        def fn(c):
+            row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
+            if row is None or row[0] != "alive":
+                raise ProtocolError(f"sampler {sampler_id!r} is not registered and alive")
+            queued = [
+                r[0]
+                for r in c.execute(
+                    "SELECT job_id FROM jobs WHERE state = 'queued' ORDER BY job_id LIMIT ?", (n,)
+                )
+            ]
+            cursor = c.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()[0]
+            fresh = range(cursor, cursor + n - len(queued))
+            for job_id in fresh:
+                seed, problem = self._problem_for(job_id)
+                c.execute(
+                    "INSERT INTO jobs (job_id, task, seed, prompt, group_size, state) "
+                    "VALUES (?, ?, ?, ?, ?, 'queued')",
+                    (job_id, self.task, seed, problem.prompt, group_size),
+                )
+            c.execute("UPDATE meta SET value = ? WHERE key = 'cursor'", (fresh.stop,))
+            ids = queued + list(fresh)
+            deadline = now + lease_seconds
+            jobs = []
+            for job_id in ids:
+                c.execute(
+                    "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_deadline = ?, "
+                    "required_version = ? WHERE job_id = ?",
+                    (sampler_id, deadline, required_version, job_id),
+                )
+                task, seed, prompt, g = c.execute(
+                    "SELECT task, seed, prompt, group_size FROM jobs WHERE job_id = ?", (job_id,)
+                ).fetchone()
+                jobs.append(
+                    Job(
+                        job_id=job_id,
+                        task=task,
+                        seed=seed,
+                        prompt=prompt,
+                        group_size=g,
+                        required_version=required_version,
+                        lease_deadline=deadline,
+                    )
+                )
+            return jobs
+
+        return self._tx(fn)
+
+    def job_seed(self, job_id: int) -> int:
+        row = self.db.execute("SELECT seed FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise ProtocolError(f"unknown job {job_id}")
+        return row[0]
+
+    # -- rollouts (the replay buffer) ----------------------------------------------------------
+
+    def push(self, sampler_id: str, group: RolloutGroup, rewards: list[float], now: float) -> bool:
+        """Store `group` for a job the caller holds, durably. Returns False (and stores nothing)
+        when the job's group was already stored: pushing twice is harmless."""
+
+        def fn(c):
+            row = c.execute(
+                "SELECT state, lease_owner, group_size, required_version FROM jobs "
+                "WHERE job_id = ?",
+                (group.job_id,),
+            ).fetchone()
+            if row is None:
+                raise ProtocolError(f"unknown job {group.job_id}")
+            state, owner, group_size, required = row
+            if c.execute("SELECT 1 FROM rollouts WHERE job_id = ?", (group.job_id,)).fetchone():
+                return False
+            if state != "leased" or owner != sampler_id:
+                raise ProtocolError(f"job {group.job_id} is not leased to sampler {sampler_id!r}")
+            latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
+            group.check_against(
+                vocab_size=self.vocab_size, group_size=group_size, latest_version=latest
+            )
+            if required is not None and group.version != required:
+                raise ProtocolError(
+                    f"job {group.job_id} requires version {required}, "
+                    f"the group was generated by {group.version}"
+                )
+            c.execute(
+                "INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?, 'ready', NULL, NULL)",
+                (
+                    group.job_id,
+                    group.version,
+                    sampler_id,
+                    group.model_dump_json(),
+                    json.dumps(rewards),
+                    now,
+                ),
+            )
+            c.execute(
+                "UPDATE jobs SET state = 'done', lease_deadline = NULL WHERE job_id = ?",
+                (group.job_id,),
+            )
+            return True
+
+        return self._tx(fn)
+
+    def pull(
+        self,
+        n: int,
+        now: float,
+        lease_seconds: float,
+        version: int | None = None,
+        min_version: int = 0,
+    ) -> tuple[list[StoredGroup], int]:
+        """Up to `n` ready groups for the trainer, freshest first, leased until `now + lease_seconds`.
+
+        sync: `version` = v takes exactly the groups of version v. async: groups older than
+        `min_version` (= v_now - max_staleness) are marked stale and dropped. Returns the groups
+        and how many were dropped as stale by this call."""
+
+        def fn(c):
+            dropped = 0
+            if version is None:
+                dropped = c.execute(
+                    "UPDATE rollouts SET state = 'stale' WHERE state = 'ready' AND version < ?",
+                    (min_version,),
+                ).rowcount
+                rows = c.execute(
+                    "SELECT job_id, body, rewards, sampler_id FROM rollouts "
+                    "WHERE state = 'ready' ORDER BY version DESC, job_id LIMIT ?",
+                    (n,),
+                )
+            else:
+                rows = c.execute(
+                    "SELECT job_id, body, rewards, sampler_id FROM rollouts "
+                    "WHERE state = 'ready' AND version = ? ORDER BY job_id LIMIT ?",
+                    (version, n),
+                )
+            rows = rows.fetchall()
+            c.executemany(
+                "UPDATE rollouts SET state = 'pulled', pull_deadline = ? WHERE job_id = ?",
+                [(now + lease_seconds, r[0]) for r in rows],
+            )
+            groups = [
+                StoredGroup(RolloutGroup.model_validate_json(body), json.loads(rw), sid)
+                for _, body, rw, sid in rows
+            ]
+            return groups, dropped
+
+        return self._tx(fn)
+
+    def ack(self, job_ids: list[int], step: int) -> int:
+        """Mark pulled groups consumed at trainer `step`; a group is consumed at most once.
+        Returns how many were newly consumed (re-acking is a no-op)."""
+
+        def fn(c):
+            done = 0
+            for job_id in job_ids:
+                state = c.execute(
+                    "SELECT state FROM rollouts WHERE job_id = ?", (job_id,)
+                ).fetchone()
+                if state is None:
+                    raise ProtocolError(f"job {job_id} has no stored group")
+                if state[0] == "consumed":
+                    continue
+                if state[0] != "pulled":
+                    raise ProtocolError(
+                        f"job {job_id}'s group is {state[0]}, not pulled; pull it first"
+                    )
+                c.execute(
+                    "UPDATE rollouts SET state = 'consumed', consumed_step = ? WHERE job_id = ?",
+                    (step, job_id),
+                )
+                done += 1
+            return done
+
+        return self._tx(fn)
+
+    def counts(self) -> dict[str, dict]:
+        """Jobs by state, rollouts by state, and ready groups by version (for status and metrics)."""
+        q = self.db.execute
+        return {
+            "jobs": dict(q("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()),
+            "rollouts": dict(q("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()),
+            "ready_by_version": dict(
+                q(
+                    "SELECT version, COUNT(*) FROM rollouts WHERE state = 'ready' GROUP BY version"
+                ).fetchall()
+            ),
+        }
