@@ -205,5 +205,47 @@ def demo(
     _print_result(run_colocated(cfg, sft_dir, console=console))
 
 
+@app.command()
+def broker(
+    data_dir: str = typer.Option(None, help="state folder (broker.data_dir)"),
+    host: str = typer.Option(None, help="listen address (broker.host)"),
+    port: int = typer.Option(None, help="listen port (broker.port)"),
+    insecure_no_auth: bool = typer.Option(
+        False, "--insecure-no-auth", help="no tokens: local demos only"
+    ),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """Run the broker service (jobs, rollouts, weight versions) until SIGINT/SIGTERM."""
+    cfg = _config(
+        config,
+        override,
+        **{
+            "broker.data_dir": data_dir,
+            "broker.host": host,
+            "broker.port": port,
+            "broker.insecure_no_auth": insecure_no_auth or None,
+        },
+    )
+    import uvicorn
+
+    from echorl.broker.app import create_app
+
+    try:
+        api = create_app(cfg)
+    except ValueError as e:
+        console.print(f"[red]broker:[/red] {e}")
+        raise typer.Exit(2) from None
+    if cfg.broker.insecure_no_auth:
+        console.print(
+            "[yellow]warning: --insecure-no-auth: anyone who can reach the port can call every route"
+        )
+    console.print(
+        f"echorl broker on http://{cfg.broker.host}:{cfg.broker.port} "
+        f"(mode {cfg.broker.mode}, data in {cfg.broker.data_dir})"
+    )
+    uvicorn.run(api, host=cfg.broker.host, port=cfg.broker.port, log_level="warning")
+
+
 if __name__ == "__main__":
     app()

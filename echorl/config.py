@@ -156,6 +156,52 @@ class SFTConfig(_Section):
     )
 
 
+class BrokerConfig(_Section):
+    """The broker service: where its state lives, the protocol it enforces, who may call it."""
+
+    data_dir: str = Field("runs/broker", description="holds broker.sqlite and weights/")
+    host: str = Field("127.0.0.1", description="listen address")
+    port: int = Field(8000, ge=0, le=65535, description="0 = any free port")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sequential pull or asynchronous push-pull"
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="async: oldest version a pulled group may have, relative to the latest",
+    )
+    lease_seconds: float = Field(
+        120.0, gt=0.0, le=86400.0, description="how long a sampler holds a job"
+    )
+    trainer_lease_seconds: float = Field(
+        300.0, gt=0.0, le=86400.0, description="how long pulled groups wait for an ack"
+    )
+    sampler_timeout: float = Field(
+        60.0, gt=0.0, le=86400.0, description="silence after which a sampler is lost"
+    )
+    max_attempts: int = Field(5, ge=1, le=1000, description="leases before a job is parked")
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest JSON body accepted")
+    max_weights_bytes: int = Field(64 << 30, ge=1024, description="largest weights upload accepted")
+    keep_versions: int = Field(3, ge=1, le=10000, description="weight versions kept on disk")
+    synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL", description="FULL: durable across power loss too"
+    )
+    trainer_token: str | None = Field(
+        None,
+        min_length=16,
+        description="bearer token of the trainer role (or $ECHORL_TRAINER_TOKEN)",
+    )
+    sampler_token: str | None = Field(
+        None,
+        min_length=16,
+        description="bearer token of the sampler role (or $ECHORL_SAMPLER_TOKEN)",
+    )
+    insecure_no_auth: bool = Field(
+        False, description="accept every call without a token (local demos only)"
+    )
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -165,6 +211,7 @@ class RunConfig(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
+    broker: BrokerConfig = BrokerConfig()
 
     @model_validator(mode="after")
     def _group_needs_peers(self) -> RunConfig:

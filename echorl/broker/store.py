@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class BrokerStore:
         )
         self.task, self.problem, self.run_seed = task, problem, run_seed
         self.vocab_size, self.max_attempts = vocab_size, max_attempts
+        # One connection shared by the server's threads; the lock serialises its transactions.
+        self.lock = threading.RLock()
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
@@ -84,21 +87,22 @@ class BrokerStore:
         self.db.executescript(SCHEMA)
         self._tx(
             lambda c: c.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', 0)"
+                "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1)"
             )
         )
 
     def _tx(self, fn):
         """Run `fn(cursor)` in one IMMEDIATE transaction (writers serialise, readers never block)."""
-        cur = self.db.cursor()
-        cur.execute("BEGIN IMMEDIATE")
-        try:
-            out = fn(cur)
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        cur.execute("COMMIT")
-        return out
+        with self.lock:
+            cur = self.db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                out = fn(cur)
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+            return out
 
     def close(self) -> None:
         self.db.close()
@@ -106,7 +110,11 @@ class BrokerStore:
     # -- versions -----------------------------------------------------------------------------
 
     def latest_version(self) -> int:
-        return self.db.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
+        """The newest published version; -1 before the trainer publishes v0."""
+        with self.lock:
+            return self.db.execute(
+                "SELECT value FROM meta WHERE key = 'latest_version'"
+            ).fetchone()[0]
 
     def set_latest_version(self, version: int) -> None:
         def fn(c):
@@ -239,7 +247,8 @@ class BrokerStore:
         return self._tx(fn)
 
     def job_seed(self, job_id: int) -> int:
-        row = self.db.execute("SELECT seed FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        with self.lock:
+            row = self.db.execute("SELECT seed FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         if row is None:
             raise ProtocolError(f"unknown job {job_id}")
         return row[0]
@@ -365,7 +374,10 @@ class BrokerStore:
 
     def counts(self) -> dict[str, dict]:
         """Jobs by state, rollouts by state, and ready groups by version (for status and metrics)."""
-        q = self.db.execute
+        return self._tx(lambda c: self._counts(c.execute))
+
+    @staticmethod
+    def _counts(q) -> dict[str, dict]:
         return {
             "jobs": dict(q("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()),
             "rollouts": dict(q("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()),
@@ -375,3 +387,17 @@ class BrokerStore:
                 ).fetchall()
             ),
         }
+
+    def samplers(self) -> list[dict]:
+        cols = (
+            "id",
+            "name",
+            "hardware",
+            "backend",
+            "max_batch",
+            "last_seen",
+            "version_held",
+            "state",
+        )
+        rows = self._tx(lambda c: c.execute(f"SELECT {', '.join(cols)} FROM samplers").fetchall())
+        return [dict(zip(cols, r)) for r in rows]

@@ -15,6 +15,7 @@ WRITER = textwrap.dedent("""
     from echorl.protocol import RolloutGroup, SamplerInfo
     from echorl.tasks import get_task
     s = BrokerStore(sys.argv[1], "add", get_task("add").problem, vocab_size=258, synchronous="FULL")
+    s.set_latest_version(0)
     me = s.register(SamplerInfo(name="writer"), 0.0)
     while True:
         for job in s.lease(me, 2, 2, now=0.0, lease_seconds=1e9):

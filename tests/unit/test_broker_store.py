@@ -80,6 +80,7 @@ def test_a_lost_sampler_frees_its_leases(s):
 
 def test_push_is_idempotent(s):
     a = sampler(s)
+    s.set_latest_version(0)
     s.lease(a, 1, 2, now=0, lease_seconds=10)
     assert s.push(a, group(0), [1.0, 0.0], now=1) is True
     assert s.push(a, group(0), [1.0, 0.0], now=2) is False
@@ -102,6 +103,7 @@ def test_push_is_idempotent(s):
 )
 def test_refused_requests_change_nothing(s, make, reason):
     a, b = sampler(s, "a"), sampler(s, "b")
+    s.set_latest_version(0)
     s.lease(a, 1, 2, now=0, lease_seconds=10)
     before = dump(s)
     with pytest.raises(ProtocolError, match=reason):
@@ -111,6 +113,7 @@ def test_refused_requests_change_nothing(s, make, reason):
 
 def test_sync_jobs_need_the_required_version(s):
     a = sampler(s)
+    s.set_latest_version(0)
     s.set_latest_version(1)
     s.lease(a, 1, 2, now=0, lease_seconds=10, required_version=1)
     with pytest.raises(ProtocolError, match="requires version 1"):
@@ -120,7 +123,7 @@ def test_sync_jobs_need_the_required_version(s):
 
 def fill(s, versions):
     a = sampler(s)
-    for v in range(1, max(versions) + 1):
+    for v in range(0, max(versions) + 1):
         s.set_latest_version(v)
     jobs = s.lease(a, len(versions), 2, now=0, lease_seconds=10)
     for j, v in zip(jobs, versions):

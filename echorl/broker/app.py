@@ -1,0 +1,323 @@
+"""The broker's HTTP service (FastAPI): versioned routes under /v1, bearer-token roles.
+
+    echorl broker --data-dir runs/broker --port 8000 --insecure-no-auth
+
+Routes (role): register, heartbeat, lease, push, download weights (sampler);
+publish weights, pull, ack (trainer); status, healthz, metrics (anyone with a
+token). The app validates, authorises, re-scores rollouts with its own copy of
+the task verifier and delegates state to `BrokerStore`; `ProtocolError` becomes
+409 with its reason, a malformed body 422, an oversized one 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import BaseModel, Field
+
+from echorl.broker.store import BrokerStore
+from echorl.config import RunConfig
+from echorl.models.tokenizer import build_byte_tokenizer
+from echorl.protocol import Job, ProtocolError, RolloutGroup, SamplerInfo, WeightVersion
+from echorl.sampler.rollout import safe_score
+from echorl.tasks import get_task
+
+log = logging.getLogger("echorl.broker")
+
+
+class RegisterReply(BaseModel):
+    sampler_id: str
+
+
+class HeartbeatRequest(BaseModel, extra="forbid"):
+    version_held: int | None = Field(None, ge=0)
+
+
+class LeaseRequest(BaseModel, extra="forbid"):
+    sampler_id: str = Field(max_length=64)
+    n: int = Field(1, ge=1, le=1024)
+
+
+class LeaseReply(BaseModel):
+    jobs: list[Job]
+    latest_version: int
+
+
+class PushRequest(BaseModel, extra="forbid"):
+    sampler_id: str = Field(max_length=64)
+    group: RolloutGroup
+
+
+class PushReply(BaseModel):
+    stored: bool  # False: this job's group was already stored (idempotent retry)
+    rewards: list[float]
+
+
+class PullRequest(BaseModel, extra="forbid"):
+    n: int = Field(ge=1, le=65536)
+    step: int = Field(ge=0, description="the trainer's step; sync pulls version == step")
+
+
+class PulledGroup(BaseModel):
+    group: RolloutGroup
+    rewards: list[float]
+    sampler_id: str
+
+
+class PullReply(BaseModel):
+    groups: list[PulledGroup]
+    dropped_stale: int
+
+
+class AckRequest(BaseModel, extra="forbid"):
+    job_ids: list[int] = Field(max_length=65536)
+    step: int = Field(ge=0)
+
+
+def _tokens(cfg: RunConfig) -> dict[str, str]:
+    """role -> token, from config or environment; never logged."""
+    tokens = {
+        "trainer": cfg.broker.trainer_token or os.environ.get("ECHORL_TRAINER_TOKEN"),
+        "sampler": cfg.broker.sampler_token or os.environ.get("ECHORL_SAMPLER_TOKEN"),
+    }
+    if not cfg.broker.insecure_no_auth and not all(tokens.values()):
+        raise ValueError(
+            "broker.trainer_token and broker.sampler_token are required "
+            "(or set ECHORL_TRAINER_TOKEN / ECHORL_SAMPLER_TOKEN, or --insecure-no-auth)"
+        )
+    return {k: v for k, v in tokens.items() if v}
+
+
+def create_app(cfg: RunConfig) -> FastAPI:
+    b = cfg.broker
+    data = Path(b.data_dir)
+    (data / "weights").mkdir(parents=True, exist_ok=True)
+    task = get_task(cfg.task.name)
+    tokenizer = build_byte_tokenizer()
+    store = BrokerStore(
+        data / "broker.sqlite",
+        task.name,
+        task.problem,
+        run_seed=cfg.task.seed,
+        vocab_size=len(tokenizer),
+        synchronous=b.synchronous,
+        max_attempts=b.max_attempts,
+    )
+    tokens = _tokens(cfg)
+    registry = CollectorRegistry()
+    pushed = Counter("broker_groups_pushed", "groups accepted", registry=registry)
+    dropped = Counter(
+        "broker_groups_dropped_stale", "groups dropped as too stale", registry=registry
+    )
+    latest = Gauge("broker_latest_version", "newest published policy version", registry=registry)
+    latest.set(store.latest_version())
+
+    async def expiry_loop():
+        while True:
+            await asyncio.sleep(1.0)
+            store.expire(time.time(), b.sampler_timeout)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        reaper = asyncio.create_task(expiry_loop())
+        yield
+        reaper.cancel()
+        store.close()
+
+    app = FastAPI(title="echorl broker", version="1", lifespan=lifespan)
+    app.state.store = store
+    bearer = HTTPBearer(auto_error=False)
+
+    def role(*allowed: str):
+        def check(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
+            if b.insecure_no_auth:
+                return "trainer"
+            if cred is None:
+                raise HTTPException(
+                    401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
+                )
+            who = next(
+                (
+                    r
+                    for r, t in tokens.items()
+                    if hmac.compare_digest(cred.credentials.encode(), t.encode())
+                ),
+                None,
+            )
+            if who is None:
+                raise HTTPException(401, "unknown token", headers={"WWW-Authenticate": "Bearer"})
+            if who not in allowed and who != "trainer":  # the trainer role is also the admin
+                raise HTTPException(403, f"the {who} role may not call this route")
+            return who
+
+        return Depends(check)
+
+    sampler, trainer = role("sampler"), role("trainer")
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        limit = (
+            b.max_weights_bytes if request.url.path.startswith("/v1/weights/") else b.max_body_bytes
+        )
+        if size is not None and (not size.isdigit() or int(size) > limit):
+            return JSONResponse(
+                {"detail": f"body of {size} bytes exceeds the limit of {limit}"}, 413
+            )
+        return await call_next(request)
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, exc: ProtocolError):
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> str:
+        return generate_latest(registry).decode()
+
+    @app.post("/v1/samplers", dependencies=[sampler])
+    def register(info: SamplerInfo) -> RegisterReply:
+        return RegisterReply(sampler_id=store.register(info, time.time()))
+
+    @app.post("/v1/samplers/{sampler_id}/heartbeat", dependencies=[sampler])
+    def heartbeat(sampler_id: str, body: HeartbeatRequest) -> dict:
+        store.heartbeat(sampler_id, time.time(), body.version_held)
+        return {"latest_version": store.latest_version()}
+
+    @app.post("/v1/jobs/lease", dependencies=[sampler])
+    def lease(body: LeaseRequest) -> LeaseReply:
+        now = time.time()
+        store.heartbeat(body.sampler_id, now)
+        v = store.latest_version()
+        if v < 0:
+            return LeaseReply(jobs=[], latest_version=v)  # nothing to generate with yet
+        required = v if b.mode == "sync" else None
+        jobs = store.lease(
+            body.sampler_id, body.n, cfg.train.group_size, now, b.lease_seconds, required
+        )
+        return LeaseReply(jobs=jobs, latest_version=v)
+
+    @app.post("/v1/rollouts", dependencies=[sampler])
+    def push(body: PushRequest) -> PushReply:
+        problem = task.problem(store.job_seed(body.group.job_id))
+        rewards = [
+            safe_score(task, problem, tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            for c in body.group.completions
+        ]
+        stored = store.push(body.sampler_id, body.group, rewards, time.time())
+        if stored:
+            pushed.inc()
+        return PushReply(stored=stored, rewards=rewards)
+
+    @app.post("/v1/batches/pull", dependencies=[trainer])
+    def pull(body: PullRequest) -> PullReply:
+        now = time.time()
+        if b.mode == "sync":
+            groups, n_dropped = store.pull(body.n, now, b.trainer_lease_seconds, version=body.step)
+        else:
+            groups, n_dropped = store.pull(
+                body.n, now, b.trainer_lease_seconds, min_version=body.step - b.max_staleness
+            )
+        dropped.inc(n_dropped)
+        return PullReply(
+            groups=[
+                PulledGroup(group=g.group, rewards=g.rewards, sampler_id=g.sampler_id)
+                for g in groups
+            ],
+            dropped_stale=n_dropped,
+        )
+
+    @app.post("/v1/batches/ack", dependencies=[trainer])
+    def ack(body: AckRequest) -> dict:
+        return {"consumed": store.ack(body.job_ids, body.step)}
+
+    @app.put("/v1/weights/{version}", dependencies=[trainer])
+    async def publish(version: int, request: Request) -> WeightVersion:
+        expected = request.headers.get("x-sha256", "")
+        if len(expected) != 64:
+            raise HTTPException(400, "header X-Sha256 with the upload's hex sha256 is required")
+        if version != store.latest_version() + 1:
+            raise ProtocolError(
+                f"version {version} is not the next one (latest is {store.latest_version()})"
+            )
+        tmp = data / "weights" / f".upload-{version}"
+        digest, size = hashlib.sha256(), 0
+        with tmp.open("wb") as f:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > b.max_weights_bytes:
+                    tmp.unlink()
+                    raise HTTPException(413, f"weights exceed {b.max_weights_bytes} bytes")
+                digest.update(chunk)
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        if digest.hexdigest() != expected:
+            tmp.unlink()
+            raise HTTPException(400, f"sha256 mismatch: body hashes to {digest.hexdigest()}")
+        final = data / "weights" / f"v{version}.safetensors"
+        tmp.replace(final)
+        (data / "weights" / f"v{version}.sha256").write_text(expected)
+        store.set_latest_version(version)
+        latest.set(version)
+        _retain(data / "weights", version, b.keep_versions)
+        return WeightVersion(version=version, sha256=expected, size_bytes=size)
+
+    @app.get("/v1/weights/latest", dependencies=[sampler])
+    def latest_weights() -> WeightVersion:
+        v = store.latest_version()
+        if v < 0:
+            raise HTTPException(404, "no version published yet")
+        path = data / "weights" / f"v{v}.safetensors"
+        return WeightVersion(
+            version=v,
+            sha256=(path.with_suffix(".sha256")).read_text(),
+            size_bytes=path.stat().st_size,
+        )
+
+    @app.get("/v1/weights/{version}", dependencies=[sampler])
+    def download(version: int) -> FileResponse:
+        path = data / "weights" / f"v{version}.safetensors"
+        if not path.is_file():
+            raise HTTPException(
+                404, f"version {version} is not stored (kept: the last {b.keep_versions})"
+            )
+        return FileResponse(
+            path,
+            media_type="application/octet-stream",
+            headers={"X-Sha256": path.with_suffix(".sha256").read_text()},
+        )
+
+    @app.get("/v1/status", dependencies=[sampler])
+    def status() -> dict:
+        rows = store.samplers()
+        return {
+            "mode": b.mode,
+            "latest_version": store.latest_version(),
+            "samplers": rows,
+            **store.counts(),
+        }
+
+    return app
+
+
+def _retain(folder: Path, newest: int, keep: int) -> None:
+    for path in folder.glob("v*.safetensors"):
+        v = int(path.stem[1:])
+        if v <= newest - keep:
+            path.unlink(missing_ok=True)
+            path.with_suffix(".sha256").unlink(missing_ok=True)

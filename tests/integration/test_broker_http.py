@@ -1,0 +1,226 @@
+"""A real broker process on a loopback port, driven over HTTP."""
+
+import hashlib
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+TRAINER, SAMPLER = "t" * 32, "s" * 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def broker(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "echorl.cli",
+            "broker",
+            "--data-dir",
+            str(tmp_path / "b"),
+            "--port",
+            str(port),
+            "-o",
+            f"broker.trainer_token={TRAINER}",
+            "-o",
+            f"broker.sampler_token={SAMPLER}",
+            "-o",
+            "train.group_size=2",
+            "-o",
+            "broker.max_body_bytes=100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(url + "/healthz", timeout=0.5)
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    yield url, tmp_path / "b"
+    proc.terminate()
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status tells why it ended.
+    assert proc.wait(10) in (0, -15)
+    out = proc.stdout.read()
+    assert "Traceback" not in out and "echorl broker on" in out
+
+
+def as_(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def publish(url, version, blob):
+    return httpx.put(
+        f"{url}/v1/weights/{version}",
+        content=blob,
+        headers=as_(TRAINER) | {"X-Sha256": hashlib.sha256(blob).hexdigest()},
+    )
+
+
+def group(job_id, version=0, ids=(26, 17, 1)):
+    c = {"token_ids": list(ids), "logprobs": [-0.5] * len(ids), "finished": True}
+    return {"job_id": job_id, "version": version, "completions": [c, c]}
+
+
+def test_a_sync_round_trip_over_http(broker):
+    url, data = broker
+    sid = httpx.post(f"{url}/v1/samplers", json={"name": "s1"}, headers=as_(SAMPLER)).json()[
+        "sampler_id"
+    ]
+
+    def lease():
+        return httpx.post(
+            f"{url}/v1/jobs/lease",
+            json={"sampler_id": sid, "n": 2},
+            headers=as_(SAMPLER),
+        ).json()
+
+    assert lease()["jobs"] == []  # no weights yet: nothing to generate with
+    blob = bytes(range(256)) * 100
+    assert publish(url, 0, blob).json()["version"] == 0
+    r = httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER) | {"Range": "bytes=100-"})
+    assert r.status_code == 206 and r.content == blob[100:]
+    jobs = lease()["jobs"]
+    assert [j["required_version"] for j in jobs] == [0, 0]
+
+    # The broker scores with its own verifier: "90" is right only for prompts that sum to 90.
+    body = {"sampler_id": sid, "group": group(jobs[0]["job_id"]) | {"claimed_rewards": [1.0, 1.0]}}
+    first = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
+    a, b = jobs[0]["prompt"][:-1].split("+")
+    assert first["stored"] and first["rewards"] == [float(int(a) + int(b) == 90)] * 2
+    again = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
+    assert again["stored"] is False
+
+    pulled = httpx.post(
+        f"{url}/v1/batches/pull", json={"n": 8, "step": 0}, headers=as_(TRAINER)
+    ).json()
+    assert [g["group"]["job_id"] for g in pulled["groups"]] == [jobs[0]["job_id"]]
+    ack = httpx.post(
+        f"{url}/v1/batches/ack",
+        json={"job_ids": [jobs[0]["job_id"]], "step": 0},
+        headers=as_(TRAINER),
+    ).json()
+    assert ack == {"consumed": 1}
+    status = httpx.get(f"{url}/v1/status", headers=as_(TRAINER)).json()
+    assert status["rollouts"] == {"consumed": 1} and status["latest_version"] == 0
+    assert "broker_groups_pushed_total 1.0" in httpx.get(f"{url}/metrics").text
+
+
+def test_bad_requests_get_a_reason_and_change_nothing(broker):
+    url, data = broker
+    sid = httpx.post(f"{url}/v1/samplers", json={"name": "s1"}, headers=as_(SAMPLER)).json()[
+        "sampler_id"
+    ]
+    publish(url, 0, b"weights")
+    job = httpx.post(
+        f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
+    ).json()["jobs"][0]["job_id"]
+    other = httpx.post(f"{url}/v1/samplers", json={"name": "s2"}, headers=as_(SAMPLER)).json()[
+        "sampler_id"
+    ]
+    push = f"{url}/v1/rollouts"
+
+    def dump():
+        import sqlite3
+
+        with sqlite3.connect(data / "broker.sqlite") as db:
+            return [line for line in db.iterdump() if "samplers" not in line]
+
+    cases = [
+        (
+            httpx.post(
+                push,
+                content=b"{not json",
+                headers=as_(SAMPLER) | {"Content-Type": "application/json"},
+            ),
+            422,
+            "",
+        ),
+        (
+            httpx.post(
+                push,
+                json={"sampler_id": sid, "group": group(job) | {"version": "new"}},
+                headers=as_(SAMPLER),
+            ),
+            422,
+            "integer",
+        ),
+        (
+            httpx.post(
+                push,
+                json={"sampler_id": sid, "group": group(job, ids=(5, 9999))},
+                headers=as_(SAMPLER),
+            ),
+            409,
+            "outside the vocabulary",
+        ),
+        (
+            httpx.post(
+                push, json={"sampler_id": sid, "group": group(job, version=3)}, headers=as_(SAMPLER)
+            ),
+            409,
+            "newer than the latest",
+        ),
+        (
+            httpx.post(push, json={"sampler_id": other, "group": group(job)}, headers=as_(SAMPLER)),
+            409,
+            "not leased to sampler",
+        ),
+        (
+            httpx.post(push, json={"sampler_id": sid, "group": group(job)}),
+            401,
+            "missing bearer token",
+        ),
+        (
+            httpx.post(push, json={"sampler_id": sid, "group": group(job)}, headers=as_("x" * 32)),
+            401,
+            "unknown token",
+        ),
+        (
+            httpx.post(f"{url}/v1/batches/pull", json={"n": 1, "step": 0}, headers=as_(SAMPLER)),
+            403,
+            "sampler role",
+        ),
+        (httpx.post(push, content=b"x" * 200_000, headers=as_(SAMPLER)), 413, "exceeds the limit"),
+        (
+            httpx.put(
+                f"{url}/v1/weights/1", content=b"abc", headers=as_(TRAINER) | {"X-Sha256": "0" * 64}
+            ),
+            400,
+            "sha256 mismatch",
+        ),
+        (publish(url, 5, b"abc"), 409, "not the next one"),
+        (
+            httpx.post(f"{url}/v1/samplers", json={"name": "../../etc"}, headers=as_(SAMPLER)),
+            422,
+            "pattern",
+        ),
+        (
+            httpx.post(
+                f"{url}/v1/batches/ack", json={"job_ids": [job], "step": 0}, headers=as_(TRAINER)
+            ),
+            409,
+            "no stored group",
+        ),
+    ]
+    before = dump()
+    for response, code, reason in cases:
+        assert response.status_code == code, response.text
+        assert reason in response.text
+    assert dump() == before
