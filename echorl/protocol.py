@@ -153,3 +153,55 @@ class WeightVersion(_Wire):
     sha256: str = Field(pattern=SHA256_PATTERN)
     size_bytes: int = Field(ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+# -- request and reply bodies of the broker's routes (client <-> broker/app.py) --------------
+
+
+class RegisterReply(_Wire):
+    sampler_id: str
+
+
+class HeartbeatRequest(_Wire):
+    version_held: int | None = Field(None, ge=0)
+
+
+class LeaseRequest(_Wire):
+    sampler_id: str = Field(max_length=64)
+    n: int = Field(1, ge=1, le=1024)
+
+
+class LeaseReply(_Wire):
+    jobs: list[Job]
+    latest_version: int
+
+
+class PushRequest(_Wire):
+    sampler_id: str = Field(max_length=64)
+    group: RolloutGroup
+
+
+class PushReply(_Wire):
+    stored: bool  # False: this job's group was already stored (idempotent retry)
+    rewards: list[float]
+
+
+class PullRequest(_Wire):
+    n: int = Field(ge=1, le=65536)
+    step: int = Field(ge=0, description="the trainer's step; sync pulls version == step")
+
+
+class PulledGroup(_Wire):
+    group: RolloutGroup
+    rewards: list[float]
+    sampler_id: str
+
+
+class PullReply(_Wire):
+    groups: list[PulledGroup]
+    dropped_stale: int
+
+
+class AckRequest(_Wire):
+    job_ids: list[int] = Field(max_length=65536)
+    step: int = Field(ge=0)

@@ -24,65 +24,29 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, Field
 
 from echorl.broker.store import BrokerStore
 from echorl.config import RunConfig
 from echorl.models.tokenizer import build_byte_tokenizer
-from echorl.protocol import Job, ProtocolError, RolloutGroup, SamplerInfo, WeightVersion
+from echorl.protocol import (
+    AckRequest,
+    HeartbeatRequest,
+    LeaseReply,
+    LeaseRequest,
+    ProtocolError,
+    PulledGroup,
+    PullReply,
+    PullRequest,
+    PushReply,
+    PushRequest,
+    RegisterReply,
+    SamplerInfo,
+    WeightVersion,
+)
 from echorl.sampler.rollout import safe_score
 from echorl.tasks import get_task
 
 log = logging.getLogger("echorl.broker")
-
-
-class RegisterReply(BaseModel):
-    sampler_id: str
-
-
-class HeartbeatRequest(BaseModel, extra="forbid"):
-    version_held: int | None = Field(None, ge=0)
-
-
-class LeaseRequest(BaseModel, extra="forbid"):
-    sampler_id: str = Field(max_length=64)
-    n: int = Field(1, ge=1, le=1024)
-
-
-class LeaseReply(BaseModel):
-    jobs: list[Job]
-    latest_version: int
-
-
-class PushRequest(BaseModel, extra="forbid"):
-    sampler_id: str = Field(max_length=64)
-    group: RolloutGroup
-
-
-class PushReply(BaseModel):
-    stored: bool  # False: this job's group was already stored (idempotent retry)
-    rewards: list[float]
-
-
-class PullRequest(BaseModel, extra="forbid"):
-    n: int = Field(ge=1, le=65536)
-    step: int = Field(ge=0, description="the trainer's step; sync pulls version == step")
-
-
-class PulledGroup(BaseModel):
-    group: RolloutGroup
-    rewards: list[float]
-    sampler_id: str
-
-
-class PullReply(BaseModel):
-    groups: list[PulledGroup]
-    dropped_stale: int
-
-
-class AckRequest(BaseModel, extra="forbid"):
-    job_ids: list[int] = Field(max_length=65536)
-    step: int = Field(ge=0)
 
 
 def _tokens(cfg: RunConfig) -> dict[str, str]:

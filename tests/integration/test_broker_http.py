@@ -1,64 +1,13 @@
 """A real broker process on a loopback port, driven over HTTP."""
 
 import hashlib
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
+from tests.integration.conftest import SAMPLER, TRAINER
+
 pytestmark = pytest.mark.integration
-
-TRAINER, SAMPLER = "t" * 32, "s" * 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def broker(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "echorl.cli",
-            "broker",
-            "--data-dir",
-            str(tmp_path / "b"),
-            "--port",
-            str(port),
-            "-o",
-            f"broker.trainer_token={TRAINER}",
-            "-o",
-            f"broker.sampler_token={SAMPLER}",
-            "-o",
-            "train.group_size=2",
-            "-o",
-            "broker.max_body_bytes=100000",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url + "/healthz", timeout=0.5)
-            break
-        except httpx.TransportError:
-            time.sleep(0.1)
-    yield url, tmp_path / "b"
-    proc.terminate()
-    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status tells why it ended.
-    assert proc.wait(10) in (0, -15)
-    out = proc.stdout.read()
-    assert "Traceback" not in out and "echorl broker on" in out
 
 
 def as_(token):

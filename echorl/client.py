@@ -1,0 +1,219 @@
+"""BrokerClient: the typed HTTP client every sampler and trainer uses to talk to the broker.
+
+    client = BrokerClient("http://127.0.0.1:8000", token="...")
+    sid = client.register(SamplerInfo(name="laptop"))
+    jobs = client.lease(sid, n=4).jobs
+
+Errors:
+
+    BrokerError              any failed call; .status (None for transport errors) and .reason
+     +-- BrokerRejected      4xx: the request is wrong or not allowed now; never retried
+     +-- BrokerUnavailable   connection errors and 5xx after every retry was spent
+
+Connection errors and 5xx are retried with exponential backoff and full jitter
+(idempotent on the broker's side: a push is stored once, an ack counted once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from echorl.protocol import (
+    AckRequest,
+    HeartbeatRequest,
+    LeaseReply,
+    LeaseRequest,
+    PullReply,
+    PullRequest,
+    PushReply,
+    PushRequest,
+    RegisterReply,
+    RolloutGroup,
+    SamplerInfo,
+    WeightVersion,
+)
+
+CHUNK = 1 << 20
+
+
+class BrokerError(Exception):
+    def __init__(self, status: int | None, reason: str):
+        super().__init__(f"{status or 'no answer'}: {reason}")
+        self.status, self.reason = status, reason
+
+
+class BrokerRejected(BrokerError):
+    pass
+
+
+class BrokerUnavailable(BrokerError):
+    pass
+
+
+class BrokerClient:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 6,
+        backoff: float = 0.2,
+        max_backoff: float = 10.0,
+    ):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        last: BrokerError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(
+                    random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+                )
+            # A streamed body is a factory, so that every attempt sends it from the start.
+            args = kw | {"content": kw["content"]()} if callable(kw.get("content")) else kw
+            try:
+                r = self.http.request(method, path, **args)
+            except httpx.TransportError as e:
+                last = BrokerUnavailable(None, f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code < 400 or r.status_code == 416:
+                return r
+            reason = _reason(r)
+            if r.status_code < 500:
+                raise BrokerRejected(r.status_code, reason)
+            last = BrokerUnavailable(r.status_code, reason)
+        raise last
+
+    def _post(self, path: str, body, reply):
+        return reply.model_validate_json(
+            self._request(
+                "POST",
+                path,
+                content=body.model_dump_json(),
+                headers={"Content-Type": "application/json"},
+            ).content
+        )
+
+    # -- sampler role ---------------------------------------------------------------------------
+
+    def register(self, info: SamplerInfo) -> str:
+        return self._post("/v1/samplers", info, RegisterReply).sampler_id
+
+    def heartbeat(self, sampler_id: str, version_held: int | None = None) -> int:
+        r = self._request(
+            "POST",
+            f"/v1/samplers/{sampler_id}/heartbeat",
+            json=HeartbeatRequest(version_held=version_held).model_dump(),
+        )
+        return r.json()["latest_version"]
+
+    def lease(self, sampler_id: str, n: int = 1) -> LeaseReply:
+        return self._post("/v1/jobs/lease", LeaseRequest(sampler_id=sampler_id, n=n), LeaseReply)
+
+    def push(self, sampler_id: str, group: RolloutGroup) -> PushReply:
+        return self._post(
+            "/v1/rollouts", PushRequest(sampler_id=sampler_id, group=group), PushReply
+        )
+
+    def latest(self) -> WeightVersion | None:
+        try:
+            return WeightVersion.model_validate_json(
+                self._request("GET", "/v1/weights/latest").content
+            )
+        except BrokerRejected as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def download(self, version: WeightVersion, dest: Path) -> Path:
+        """Stream `version` to `dest`, resuming a partial `dest.part` with a Range request, and
+        verify its sha256; `dest` appears only when the bytes are whole and right."""
+        part = dest.with_name(dest.name + ".part")
+        for _ in range(self.retries + 1):
+            have = part.stat().st_size if part.exists() else 0
+            try:
+                with self.http.stream(
+                    "GET",
+                    f"/v1/weights/{version.version}",
+                    headers={"Range": f"bytes={have}-"} if have else {},
+                ) as r:
+                    if r.status_code >= 400 and r.status_code != 416:
+                        r.read()
+                        raise (BrokerRejected if r.status_code < 500 else BrokerUnavailable)(
+                            r.status_code, _reason(r)
+                        )
+                    mode = "ab" if r.status_code == 206 else "wb"
+                    if r.status_code != 416:
+                        with part.open(mode) as f:
+                            for chunk in r.iter_bytes(CHUNK):
+                                f.write(chunk)
+            except (httpx.TransportError, BrokerUnavailable):
+                time.sleep(self.backoff)
+                continue
+            if _sha256(part) == version.sha256:
+                part.replace(dest)
+                return dest
+            part.unlink()  # corrupt: start over
+        raise BrokerUnavailable(None, f"could not download version {version.version} intact")
+
+    def status(self) -> dict:
+        return self._request("GET", "/v1/status").json()
+
+    # -- trainer role ---------------------------------------------------------------------------
+
+    def publish(self, version: int, path: Path) -> WeightVersion:
+        digest = _sha256(path)
+
+        def body():
+            with path.open("rb") as f:
+                while chunk := f.read(CHUNK):
+                    yield chunk
+
+        r = self._request(
+            "PUT",
+            f"/v1/weights/{version}",
+            content=body(),
+            headers={"X-Sha256": digest, "Content-Length": str(path.stat().st_size)},
+        )
+        return WeightVersion.model_validate_json(r.content)
+
+    def pull(self, n: int, step: int) -> PullReply:
+        return self._post("/v1/batches/pull", PullRequest(n=n, step=step), PullReply)
+
+    def ack(self, job_ids: list[int], step: int) -> int:
+        return self._request(
+            "POST", "/v1/batches/ack", json=AckRequest(job_ids=job_ids, step=step).model_dump()
+        ).json()["consumed"]
+
+
+def _reason(r: httpx.Response) -> str:
+    try:
+        detail = r.json().get("detail", r.text)
+    except ValueError:
+        return r.text[:500]
+    return detail if isinstance(detail, str) else str(detail)[:500]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
