@@ -10,6 +10,7 @@ echorl eval --task add --model runs/colocated/policy
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download
@@ -245,6 +246,42 @@ def broker(
         f"(mode {cfg.broker.mode}, data in {cfg.broker.data_dir})"
     )
     uvicorn.run(api, host=cfg.broker.host, port=cfg.broker.port, log_level="warning")
+
+
+@app.command()
+def status(
+    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    token: str = typer.Option(None, envvar="ECHORL_TOKEN", help="bearer token (or $ECHORL_TOKEN)"),
+) -> None:
+    """Print a broker's samplers, versions, jobs and replay buffer."""
+    from echorl.client import BrokerClient, BrokerError
+
+    try:
+        with BrokerClient(broker_url, token, retries=1) as client:
+            st = client.status()
+    except BrokerError as e:
+        console.print(f"[red]--broker {broker_url}:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(
+        f"mode [bold]{st['mode']}[/bold]   latest version [bold]{st['latest_version']}[/bold]"
+    )
+    table = Table(title="samplers")
+    for col in ("id", "name", "hardware", "backend", "version held", "last seen (s ago)", "state"):
+        table.add_column(col)
+    now = time.time()
+    for s in st["samplers"]:
+        table.add_row(
+            s["id"],
+            s["name"],
+            s["hardware"],
+            s["backend"],
+            str(s["version_held"]),
+            f"{now - s['last_seen']:.0f}",
+            s["state"],
+        )
+    console.print(table)
+    for key in ("jobs", "rollouts", "ready_by_version"):
+        console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in st[key].items()) or "none"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """A real broker process on a loopback port, driven over HTTP."""
 
 import hashlib
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -173,3 +176,27 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
         assert response.status_code == code, response.text
         assert reason in response.text
     assert dump() == before
+
+
+def test_status_command_prints_the_swarm(broker):
+    url, _ = broker
+    httpx.post(
+        f"{url}/v1/samplers", json={"name": "laptop", "hardware": "cpu x2"}, headers=as_(SAMPLER)
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
+        env={**os.environ, "ECHORL_TOKEN": TRAINER},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "laptop" in out.stdout and "cpu x2" in out.stdout and "latest version -1" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ECHORL_TOKEN": ""},
+    )
+    assert bad.returncode == 1 and "401" in bad.stdout
