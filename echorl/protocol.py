@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,6 +24,8 @@ MAX_GROUP_SIZE = 1024
 MAX_COMPLETION_TOKENS = 32768
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no slashes, no dots first: safe in paths
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MAX_ID = 2**62  # ids, versions and steps fit SQLite's signed 64-bit integers
+Id = Annotated[int, Field(ge=0, le=MAX_ID)]
 
 
 class ProtocolError(ValueError):
@@ -51,9 +53,11 @@ class SamplerInfo(_Wire):
 class Job(_Wire):
     """broker -> sampler (lease): one prompt to be answered `group_size` times."""
 
-    job_id: int = Field(ge=0)
+    job_id: int = Field(ge=0, le=MAX_ID)
     task: str = Field(pattern=NAME_PATTERN)
-    seed: int = Field(ge=0, description="the task's problem seed; the prompt follows from it")
+    seed: int = Field(
+        ge=0, le=2**63 - 1, description="the task's problem seed; the prompt follows from it"
+    )
     prompt: str = Field(max_length=1_000_000)
     group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
     required_version: int | None = Field(
@@ -67,20 +71,13 @@ class Job(_Wire):
 class Completion(_Wire):
     """One of a group's completions, as a sampler reports it."""
 
-    token_ids: list[int] = Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)
+    token_ids: list[Id] = Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)
     logprobs: list[float] = Field(
         min_length=1,
         max_length=MAX_COMPLETION_TOKENS,
         description="behaviour log-prob of each token",
     )
     finished: bool = Field(description="stopped at eos (False: cut at max_new_tokens)")
-
-    @field_validator("token_ids")
-    @classmethod
-    def _ids_non_negative(cls, ids: list[int]) -> list[int]:
-        if any(i < 0 for i in ids):
-            raise ValueError("token ids must be >= 0")
-        return ids
 
     @field_validator("logprobs")
     @classmethod
@@ -100,9 +97,11 @@ class Completion(_Wire):
 class RolloutGroup(_Wire):
     """sampler -> broker (push) -> trainer (pull): a scored GRPO group for one job."""
 
-    job_id: int = Field(ge=0)
+    job_id: int = Field(ge=0, le=MAX_ID)
     version: int = Field(
-        ge=0, description="policy version that produced every token (the oldest, if several)"
+        ge=0,
+        le=MAX_ID,
+        description="policy version that produced every token (the oldest, if several)",
     )
     completions: list[Completion] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
     claimed_rewards: list[float] | None = Field(
@@ -149,7 +148,7 @@ class RolloutGroup(_Wire):
 class WeightVersion(_Wire):
     """broker -> sampler (latest version): what a sampler needs to decide whether to pull."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_ID)
     sha256: str = Field(pattern=SHA256_PATTERN)
     size_bytes: int = Field(ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -163,7 +162,7 @@ class RegisterReply(_Wire):
 
 
 class HeartbeatRequest(_Wire):
-    version_held: int | None = Field(None, ge=0)
+    version_held: int | None = Field(None, ge=0, le=MAX_ID)
 
 
 class LeaseRequest(_Wire):
@@ -188,7 +187,7 @@ class PushReply(_Wire):
 
 class PullRequest(_Wire):
     n: int = Field(ge=1, le=65536)
-    step: int = Field(ge=0, description="the trainer's step; sync pulls version == step")
+    step: int = Field(ge=0, le=MAX_ID, description="the trainer's step; sync pulls version == step")
 
 
 class PulledGroup(_Wire):
@@ -203,5 +202,5 @@ class PullReply(_Wire):
 
 
 class AckRequest(_Wire):
-    job_ids: list[int] = Field(max_length=65536)
-    step: int = Field(ge=0)
+    job_ids: list[Id] = Field(max_length=65536)
+    step: int = Field(ge=0, le=MAX_ID)

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -29,6 +30,7 @@ from echorl.broker.store import BrokerStore
 from echorl.config import RunConfig
 from echorl.models.tokenizer import build_byte_tokenizer
 from echorl.protocol import (
+    MAX_ID,
     AckRequest,
     HeartbeatRequest,
     LeaseReply,
@@ -158,7 +160,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         return RegisterReply(sampler_id=store.register(info, time.time()))
 
     @app.post("/v1/samplers/{sampler_id}/heartbeat", dependencies=[sampler])
-    def heartbeat(sampler_id: str, body: HeartbeatRequest) -> dict:
+    def heartbeat(body: HeartbeatRequest, sampler_id: str = PathParam(max_length=64)) -> dict:
         store.heartbeat(sampler_id, time.time(), body.version_held)
         return {"latest_version": store.latest_version()}
 
@@ -210,7 +212,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         return {"consumed": store.ack(body.job_ids, body.step)}
 
     @app.put("/v1/weights/{version}", dependencies=[trainer])
-    async def publish(version: int, request: Request) -> WeightVersion:
+    async def publish(request: Request, version: int = PathParam(ge=0, le=MAX_ID)) -> WeightVersion:
         expected = request.headers.get("x-sha256", "")
         if len(expected) != 64:
             raise HTTPException(400, "header X-Sha256 with the upload's hex sha256 is required")
@@ -254,7 +256,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         )
 
     @app.get("/v1/weights/{version}", dependencies=[sampler])
-    def download(version: int) -> FileResponse:
+    def download(version: int = PathParam(ge=0, le=MAX_ID)) -> FileResponse:
         path = data / "weights" / f"v{version}.safetensors"
         if not path.is_file():
             raise HTTPException(
