@@ -171,10 +171,13 @@ def create_app(cfg: RunConfig) -> FastAPI:
         v = store.latest_version()
         if v < 0:
             return LeaseReply(jobs=[], latest_version=v)  # nothing to generate with yet
-        required = v if b.mode == "sync" else None
-        jobs = store.lease(
-            body.sampler_id, body.n, cfg.train.group_size, now, b.lease_seconds, required
-        )
+        n, required = body.n, v
+        if b.mode == "async":
+            # Admission control: never more work out than the trainer can take within the bound.
+            n, required = min(n, admission_limit(cfg) - store.in_flight()), None
+        if n <= 0:
+            return LeaseReply(jobs=[], latest_version=v)
+        jobs = store.lease(body.sampler_id, n, cfg.train.group_size, now, b.lease_seconds, required)
         return LeaseReply(jobs=jobs, latest_version=v)
 
     @app.post("/v1/rollouts", dependencies=[sampler])
@@ -240,7 +243,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         (data / "weights" / f"v{version}.sha256").write_text(expected)
         store.set_latest_version(version)
         latest.set(version)
-        _retain(data / "weights", version, b.keep_versions)
+        _retain(data / "weights", version, b.keep_versions, store.referenced_versions())
         return WeightVersion(version=version, sha256=expected, size_bytes=size)
 
     @app.get("/v1/weights/latest", dependencies=[sampler])
@@ -281,9 +284,15 @@ def create_app(cfg: RunConfig) -> FastAPI:
     return app
 
 
-def _retain(folder: Path, newest: int, keep: int) -> None:
+def admission_limit(cfg: RunConfig) -> int:
+    """Most groups out at once in async mode: the batches of the versions still within the bound."""
+    return (cfg.broker.max_staleness + 1) * cfg.train.batch_prompts
+
+
+def _retain(folder: Path, newest: int, keep: int, referenced: set[int]) -> None:
+    """Delete weight files older than the last `keep` versions, except those still referenced."""
     for path in folder.glob("v*.safetensors"):
         v = int(path.stem[1:])
-        if v <= newest - keep:
+        if v <= newest - keep and v not in referenced:
             path.unlink(missing_ok=True)
             path.with_suffix(".sha256").unlink(missing_ok=True)

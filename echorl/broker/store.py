@@ -401,3 +401,24 @@ class BrokerStore:
         )
         rows = self._tx(lambda c: c.execute(f"SELECT {', '.join(cols)} FROM samplers").fetchall())
         return [dict(zip(cols, r)) for r in rows]
+
+    def in_flight(self) -> int:
+        """Groups leased to samplers or waiting in the buffer: work the trainer has yet to take."""
+        return self._tx(
+            lambda c: c.execute(
+                "SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'leased') + "
+                "(SELECT COUNT(*) FROM rollouts WHERE state = 'ready')"
+            ).fetchone()[0]
+        )
+
+    def referenced_versions(self) -> set[int]:
+        """Versions that leased sync jobs still require (their weights must stay downloadable)."""
+        return self._tx(
+            lambda c: {
+                r[0]
+                for r in c.execute(
+                    "SELECT DISTINCT required_version FROM jobs WHERE state = 'leased' "
+                    "AND required_version IS NOT NULL"
+                )
+            }
+        )

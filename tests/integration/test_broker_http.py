@@ -200,3 +200,48 @@ def test_status_command_prints_the_swarm(broker):
         env={**os.environ, "ECHORL_TOKEN": ""},
     )
     assert bad.returncode == 1 and "401" in bad.stdout
+
+
+def test_async_admission_control_and_retention(tmp_path):
+    from tests.integration.conftest import free_port, start_broker, stop_broker
+
+    proc, url = start_broker(
+        tmp_path / "b",
+        free_port(),
+        "-o",
+        "broker.mode=async",
+        "-o",
+        "broker.max_staleness=1",
+        "-o",
+        "train.batch_prompts=3",
+        "-o",
+        "broker.keep_versions=2",
+    )
+    try:
+        for v in range(4):
+            assert publish(url, v, f"weights {v}".encode()).status_code == 200
+        kept = sorted(p.name for p in (tmp_path / "b" / "weights").glob("*.safetensors"))
+        assert kept == ["v2.safetensors", "v3.safetensors"]
+        assert httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER)).status_code == 404
+        sid = httpx.post(f"{url}/v1/samplers", json={"name": "s"}, headers=as_(SAMPLER)).json()[
+            "sampler_id"
+        ]
+
+        def lease(n):
+            return httpx.post(
+                f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
+            ).json()["jobs"]
+
+        first = lease(5)  # (max_staleness + 1) * B = 6 may be out at once
+        assert len(first) == 5 and all(j["required_version"] is None for j in first)
+        assert len(lease(5)) == 1 and lease(5) == []
+        body = {"sampler_id": sid, "group": group(first[0]["job_id"], version=3)}
+        assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()["stored"]
+        assert lease(5) == []  # the pushed group still waits in the buffer
+        pulled = httpx.post(
+            f"{url}/v1/batches/pull", json={"n": 3, "step": 3}, headers=as_(TRAINER)
+        )
+        assert len(pulled.json()["groups"]) == 1
+        assert len(lease(5)) == 1  # taken by the trainer: room for one more
+    finally:
+        stop_broker(proc)
