@@ -22,6 +22,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -142,6 +143,12 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 {"detail": f"body of {size} bytes exceeds the limit of {limit}"}, 413
             )
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        # Reasons only, never the input echoed back: it may hold NaN (not JSON) or be huge.
+        reasons = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"detail": "; ".join(reasons)[:2000]}, status_code=422)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError):

@@ -245,3 +245,85 @@ def test_async_admission_control_and_retention(tmp_path):
         assert len(lease(5)) == 1  # taken by the trainer: room for one more
     finally:
         stop_broker(proc)
+
+
+def test_more_hostile_requests_are_refused_without_side_effects(broker):
+    """With the table above: 27 distinct malformed or hostile requests, each a 4xx with a reason."""
+    import json
+    import sqlite3
+
+    url, data = broker
+    sid = httpx.post(f"{url}/v1/samplers", json={"name": "s1"}, headers=as_(SAMPLER)).json()[
+        "sampler_id"
+    ]
+    publish(url, 0, b"weights")
+    job = httpx.post(
+        f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
+    ).json()["jobs"][0]["job_id"]
+    push, h = f"{url}/v1/rollouts", as_(SAMPLER)
+
+    def raw(
+        body,
+    ):  # json.dumps writes NaN, which strict JSON parsers must refuse or validators catch
+        return httpx.post(
+            push, content=json.dumps(body), headers=h | {"Content-Type": "application/json"}
+        )
+
+    c = {"token_ids": [26, 1], "logprobs": [-0.1, -0.2], "finished": True}
+    cases = [
+        (
+            raw(
+                {
+                    "sampler_id": sid,
+                    "group": group(job)
+                    | {"completions": [c | {"logprobs": [float("nan"), -0.2]}] * 2},
+                }
+            ),
+            422,
+        ),
+        (
+            raw(
+                {
+                    "sampler_id": sid,
+                    "group": group(job) | {"completions": [c | {"logprobs": [0.5, -0.2]}] * 2},
+                }
+            ),
+            422,
+        ),
+        (
+            raw(
+                {
+                    "sampler_id": sid,
+                    "group": group(job) | {"completions": [c | {"token_ids": [26]}] * 2},
+                }
+            ),
+            422,
+        ),
+        (raw({"sampler_id": sid, "group": group(job) | {"completions": [c] * 3}}), 409),
+        (raw({"sampler_id": sid, "group": group(10**6)}), 409),
+        (raw({"sampler_id": sid, "group": group(job), "admin": True}), 422),
+        (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 10**6}, headers=h), 422),
+        (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": "ghost", "n": 1}, headers=h), 409),
+        (httpx.post(f"{url}/v1/samplers/ghost/heartbeat", json={}, headers=h), 409),
+        (httpx.post(f"{url}/v1/batches/pull", json={"n": 0, "step": 0}, headers=as_(TRAINER)), 422),
+        (
+            httpx.post(
+                f"{url}/v1/batches/ack", json={"job_ids": [job], "step": -1}, headers=as_(TRAINER)
+            ),
+            422,
+        ),
+        (httpx.put(f"{url}/v1/weights/1", content=b"abc", headers=as_(TRAINER)), 400),
+        (httpx.put(f"{url}/v1/weights/1", content=b"abc", headers=h | {"X-Sha256": "0" * 64}), 403),
+        (httpx.get(f"{url}/v1/weights/7", headers=h), 404),
+        (httpx.get(f"{url}/v1/weights/..%2F..%2Fbroker.sqlite", headers=h), 404),
+        (httpx.post(f"{url}/v1/samplers", json={"name": "x", "max_batch": -4}, headers=h), 422),
+    ]
+    with sqlite3.connect(data / "broker.sqlite") as db:
+        jobs_before = list(db.execute("SELECT * FROM jobs"))
+        rollouts_before = list(db.execute("SELECT * FROM rollouts"))
+    for response, code in cases:
+        assert response.status_code == code, (code, response.request.url, response.text)
+        assert response.json()["detail"]
+    with sqlite3.connect(data / "broker.sqlite") as db:
+        assert list(db.execute("SELECT * FROM jobs")) == jobs_before
+        assert list(db.execute("SELECT * FROM rollouts")) == rollouts_before

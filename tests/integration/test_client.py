@@ -57,7 +57,7 @@ def test_client_retries_until_the_broker_comes_up(tmp_path):
     starter.start()
     try:
         with BrokerClient(
-            f"http://127.0.0.1:{port}", SAMPLER, retries=12, backoff=0.2, max_backoff=1.0
+            f"http://127.0.0.1:{port}", SAMPLER, retries=80, backoff=0.2, max_backoff=0.5
         ) as c:
             assert c.register(SamplerInfo(name="patient"))
     finally:
