@@ -184,6 +184,11 @@ class BrokerConfig(_Section):
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest JSON body accepted")
     max_weights_bytes: int = Field(64 << 30, ge=1024, description="largest weights upload accepted")
     keep_versions: int = Field(3, ge=1, le=10000, description="weight versions kept on disk")
+    sampler_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="floating tensors are cast to this for samplers (bf16 halves the download); "
+        "the trainer keeps its own precision",
+    )
     synchronous: Literal["NORMAL", "FULL"] = Field(
         "NORMAL", description="FULL: durable across power loss too"
     )

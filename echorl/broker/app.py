@@ -20,6 +20,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import safetensors
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
@@ -246,12 +247,25 @@ def create_app(cfg: RunConfig) -> FastAPI:
             tmp.unlink()
             raise HTTPException(400, f"sha256 mismatch: body hashes to {digest.hexdigest()}")
         final = data / "weights" / f"v{version}.safetensors"
-        tmp.replace(final)
-        (data / "weights" / f"v{version}.sha256").write_text(expected)
+        served = expected
+        if b.sampler_dtype != "float32":
+            try:
+                served = await asyncio.to_thread(_cast_safetensors, tmp, final, b.sampler_dtype)
+            except (safetensors.SafetensorError, ValueError, OSError) as e:
+                raise HTTPException(
+                    400, f"cannot cast the upload to {b.sampler_dtype}: {e}"
+                ) from None
+            finally:
+                tmp.unlink(missing_ok=True)
+        else:
+            tmp.replace(final)
+        (data / "weights" / f"v{version}.sha256").write_text(served)
         store.set_latest_version(version)
         latest.set(version)
         _retain(data / "weights", version, b.keep_versions, store.referenced_versions())
-        return WeightVersion(version=version, sha256=expected, size_bytes=size)
+        return WeightVersion(
+            version=version, sha256=served, size_bytes=final.stat().st_size, dtype=b.sampler_dtype
+        )
 
     @app.get("/v1/weights/latest", dependencies=[sampler])
     def latest_weights() -> WeightVersion:
@@ -263,6 +277,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
             version=v,
             sha256=(path.with_suffix(".sha256")).read_text(),
             size_bytes=path.stat().st_size,
+            dtype=b.sampler_dtype,
         )
 
     @app.get("/v1/weights/{version}", dependencies=[sampler])
@@ -289,6 +304,18 @@ def create_app(cfg: RunConfig) -> FastAPI:
         }
 
     return app
+
+
+def _cast_safetensors(src: Path, dst: Path, dtype: str) -> str:
+    """Write `src` with every floating tensor cast to `dtype` to `dst`; returns dst's sha256."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = getattr(torch, dtype)
+    tensors = {k: (t.to(target) if t.is_floating_point() else t) for k, t in load_file(src).items()}
+    save_file(tensors, dst, metadata={"format": "pt"})
+    h = hashlib.sha256(dst.read_bytes())
+    return h.hexdigest()
 
 
 def admission_limit(cfg: RunConfig) -> int:

@@ -327,3 +327,97 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
     with sqlite3.connect(data / "broker.sqlite") as db:
         assert list(db.execute("SELECT * FROM jobs")) == jobs_before
         assert list(db.execute("SELECT * FROM rollouts")) == rollouts_before
+
+
+def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
+    import time
+
+    from tests.integration.conftest import free_port, start_broker, stop_broker
+
+    proc, url = start_broker(
+        tmp_path / "b",
+        free_port(),
+        "-o",
+        "broker.lease_seconds=1",
+        "-o",
+        "broker.trainer_lease_seconds=1",
+        "-o",
+        "broker.sampler_timeout=30",
+    )
+    try:
+        publish(url, 0, b"w")
+        a = httpx.post(f"{url}/v1/samplers", json={"name": "a"}, headers=as_(SAMPLER)).json()[
+            "sampler_id"
+        ]
+        b = httpx.post(f"{url}/v1/samplers", json={"name": "b"}, headers=as_(SAMPLER)).json()[
+            "sampler_id"
+        ]
+
+        def lease(sid, n=1):
+            return [
+                j["job_id"]
+                for j in httpx.post(
+                    f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
+                ).json()["jobs"]
+            ]
+
+        (job,) = lease(a)  # sampler a "dies" holding it
+        time.sleep(2.5)
+        assert lease(b) == [job]  # re-leased to b after the deadline
+        late = httpx.post(
+            f"{url}/v1/rollouts", json={"sampler_id": a, "group": group(job)}, headers=as_(SAMPLER)
+        )
+        assert late.status_code == 409  # a's lease is gone
+        assert httpx.post(
+            f"{url}/v1/rollouts", json={"sampler_id": b, "group": group(job)}, headers=as_(SAMPLER)
+        ).json()["stored"]
+
+        def pull():
+            return [
+                g["group"]["job_id"]
+                for g in httpx.post(
+                    f"{url}/v1/batches/pull", json={"n": 4, "step": 0}, headers=as_(TRAINER)
+                ).json()["groups"]
+            ]
+
+        assert pull() == [job]  # the trainer "dies" before acking
+        assert pull() == []
+        time.sleep(2.5)
+        assert pull() == [job]  # offered again, and consumed once
+        ack = {"job_ids": [job], "step": 0}
+        assert httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).json() == {
+            "consumed": 1
+        }
+        assert httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).json() == {
+            "consumed": 0
+        }
+        status = httpx.get(f"{url}/v1/status", headers=as_(TRAINER)).json()
+        assert status["jobs"]["done"] == 1 and status["rollouts"] == {"consumed": 1}
+    finally:
+        stop_broker(proc)
+
+
+def test_samplers_get_bf16_weights_while_the_trainer_uploads_fp32(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from echorl.client import BrokerClient
+    from tests.integration.conftest import free_port, start_broker, stop_broker
+
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.sampler_dtype=bfloat16")
+    try:
+        weights = {"w": torch.randn(64, 64), "steps": torch.arange(3)}
+        save_file(weights, tmp_path / "fp32.safetensors")
+        with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as sampler:
+            trainer.publish(0, tmp_path / "fp32.safetensors")
+            latest = sampler.latest()
+            assert latest.dtype == "bfloat16"
+            got = load_file(sampler.download(latest, tmp_path / "dl.safetensors"))
+        assert got["w"].dtype == torch.bfloat16 and got["steps"].dtype == torch.int64
+        assert torch.allclose(got["w"].float(), weights["w"], rtol=1e-2)
+        assert latest.size_bytes < (tmp_path / "fp32.safetensors").stat().st_size * 0.6
+        bad = publish(url, 1, b"not a safetensors file")
+        assert bad.status_code == 400 and "cannot cast" in bad.text
+        assert httpx.get(f"{url}/v1/weights/latest", headers=as_(SAMPLER)).json()["version"] == 0
+    finally:
+        stop_broker(proc)
