@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from echorl.broker.store import BrokerStore
 from echorl.config import RunConfig
-from echorl.models.tokenizer import build_byte_tokenizer
+from echorl.models.tokenizer import byte_tokenizer
 from echorl.protocol import (
     MAX_ID,
     AckRequest,
@@ -47,8 +47,8 @@ from echorl.protocol import (
     SamplerInfo,
     WeightVersion,
 )
-from echorl.sampler.rollout import safe_score
 from echorl.tasks import get_task
+from echorl.tasks.base import safe_score
 
 log = logging.getLogger("echorl.broker")
 
@@ -72,13 +72,13 @@ def create_app(cfg: RunConfig) -> FastAPI:
     data = Path(b.data_dir)
     (data / "weights").mkdir(parents=True, exist_ok=True)
     task = get_task(cfg.task.name)
-    tokenizer = build_byte_tokenizer()
+    tokenizer = byte_tokenizer()
     store = BrokerStore(
         data / "broker.sqlite",
         task.name,
         task.problem,
         run_seed=cfg.task.seed,
-        vocab_size=len(tokenizer),
+        vocab_size=tokenizer.get_vocab_size(),
         synchronous=b.synchronous,
         max_attempts=b.max_attempts,
     )

@@ -6,7 +6,6 @@ the same `Group`s from the same seeds.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from echorl.config import SamplingConfig
@@ -14,8 +13,7 @@ from echorl.protocol import Completion as WireCompletion
 from echorl.protocol import RolloutGroup
 from echorl.sampler.backends.hf import Completion, HFBackend
 from echorl.tasks import Problem, Task
-
-log = logging.getLogger(__name__)
+from echorl.tasks.base import safe_score
 
 
 @dataclass
@@ -26,16 +24,6 @@ class Group:
     completions: list[Completion]
     rewards: list[float]
     version: int = 0  # policy version that generated every token
-
-
-def safe_score(task: Task, problem: Problem, text: str) -> float:
-    """The task's reward, clamped to [0, 1]. A verifier that raises on model output is a
-    bug in the verifier; it is logged and scored 0 rather than killing the run."""
-    try:
-        return min(max(float(task.score(problem, text)), 0.0), 1.0)
-    except Exception:  # deliberate fault boundary: verifiers see untrusted text
-        log.exception("task %s: verifier raised on %r; scoring 0", task.name, text[:200])
-        return 0.0
 
 
 def rollout(

@@ -12,12 +12,14 @@ train stream, so evaluation never sees a prompt that training or warm-up saw.
 
 from __future__ import annotations
 
+import logging
 import random
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+log = logging.getLogger(__name__)
 Split = Literal["train", "eval"]
 HELDOUT_BUCKETS = 8  # one problem in eight is held out
 
@@ -73,3 +75,13 @@ def take(task: Task, n: int, seed: int, split: Split = "train") -> list[Problem]
 def first_line(completion: str) -> str:
     """The answer part of a completion: text before the first newline, stripped."""
     return completion.split("\n", 1)[0].strip()
+
+
+def safe_score(task: Task, problem: Problem, text: str) -> float:
+    """The task's reward, clamped to [0, 1]. A verifier that raises on model output is a
+    bug in the verifier; it is logged and scored 0 rather than killing the run."""
+    try:
+        return min(max(float(task.score(problem, text)), 0.0), 1.0)
+    except Exception:  # deliberate fault boundary: verifiers see untrusted text
+        log.exception("task %s: verifier raised on %r; scoring 0", task.name, text[:200])
+        return 0.0
