@@ -32,9 +32,21 @@ def one_start() -> float:
     port = free_port()
     with tempfile.TemporaryDirectory() as data:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "echorl.cli", "broker", "--insecure-no-auth",
-                                 "--data-dir", data, "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "echorl.cli",
+                "broker",
+                "--insecure-no-auth",
+                "--data-dir",
+                data,
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             while True:
                 try:
@@ -51,7 +63,9 @@ def one_start() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "broker_start.json")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "broker_start.json"
+    )
     args = ap.parse_args()
     times = [one_start() for _ in range(args.runs)]
     row = {"runs": args.runs, "median_s": statistics.median(times), "max_s": max(times)}

@@ -249,6 +249,49 @@ def broker(
 
 
 @app.command()
+def sampler(
+    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    token: str = typer.Option(None, envvar="ECHORL_SAMPLER_TOKEN", help="sampler token"),
+    model: Path = typer.Option(
+        ..., help="local HF folder with the policy's architecture and tokenizer"
+    ),
+    name: str = typer.Option(None, help="sampler name (default: sampler-PID)"),
+    device: str = typer.Option("cpu", help="cpu, cuda, mps"),
+    threads: int = typer.Option(None, min=1, help="torch threads"),
+    jobs_per_lease: int = typer.Option(4, min=1, max=1024),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """Run a sampler: lease jobs, hold the weights the protocol needs, generate, push."""
+    import signal
+    import tempfile
+    import threading
+
+    import torch
+
+    from echorl.client import BrokerClient
+    from echorl.models import load_policy
+    from echorl.sampler.backends.hf import HFBackend
+    from echorl.sampler.loop import Sampler
+
+    cfg = _config(config, override)
+    _quiet_transformers()
+    if threads:
+        torch.set_num_threads(threads)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    name = name or f"sampler-{os.getpid()}"
+    with BrokerClient(broker_url, token) as client, tempfile.TemporaryDirectory() as cache:
+        worker = Sampler(
+            client, HFBackend(*load_policy(model, device)), cfg, name, Path(cache), jobs_per_lease
+        )
+        console.print(f"{name}: sampling for {broker_url}")
+        worker.run(stop)
+    console.print(f"{name}: stopped after {worker.pushed} groups")
+
+
+@app.command()
 def status(
     broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
     token: str = typer.Option(None, envvar="ECHORL_TOKEN", help="bearer token (or $ECHORL_TOKEN)"),

@@ -142,6 +142,12 @@ class BrokerClient:
                 return None
             raise
 
+    def describe(self, version: int) -> WeightVersion:
+        """sha256, size and dtype of a stored version."""
+        return WeightVersion.model_validate_json(
+            self._request("GET", f"/v1/versions/{version}").content
+        )
+
     def download(self, version: WeightVersion, dest: Path) -> Path:
         """Stream `version` to `dest`, resuming a partial `dest.part` with a Range request, and
         verify its sha256; `dest` appears only when the bytes are whole and right."""

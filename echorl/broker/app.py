@@ -272,7 +272,15 @@ def create_app(cfg: RunConfig) -> FastAPI:
         v = store.latest_version()
         if v < 0:
             raise HTTPException(404, "no version published yet")
+        return describe(v)
+
+    @app.get("/v1/versions/{v}", dependencies=[sampler])
+    def describe(v: int = PathParam(ge=0, le=MAX_ID)) -> WeightVersion:
         path = data / "weights" / f"v{v}.safetensors"
+        if not path.is_file():
+            raise HTTPException(
+                404, f"version {v} is not stored (kept: the last {b.keep_versions})"
+            )
         return WeightVersion(
             version=v,
             sha256=(path.with_suffix(".sha256")).read_text(),

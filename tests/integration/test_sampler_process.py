@@ -1,0 +1,95 @@
+"""A real sampler process on a real broker; the test plays the trainer (sync protocol)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from echorl.client import BrokerClient
+from echorl.models import load_policy, save_tiny_model
+from echorl.trainer.batch import Sequence, collate, token_logprobs
+from tests.integration.conftest import SAMPLER, TRAINER, free_port, start_broker, stop_broker
+
+pytestmark = pytest.mark.integration
+
+
+def pull_until(trainer, n, step, timeout=90):
+    got, t0 = [], time.time()
+    while len(got) < n:
+        assert time.time() - t0 < timeout, f"only {len(got)} groups for step {step}"
+        got += trainer.pull(n - len(got), step).groups
+        time.sleep(0.2)
+    return got
+
+
+def test_sampler_follows_published_versions_and_swaps_weights_in_place(tmp_path):
+    v0, v1 = (
+        save_tiny_model(tmp_path / "v0", "1m", seed=0),
+        save_tiny_model(tmp_path / "v1", "1m", seed=1),
+    )
+    broker, url = start_broker(tmp_path / "b", free_port(), "-o", "task.name=add")
+    env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
+    sampler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "echorl.cli",
+            "sampler",
+            "--broker",
+            url,
+            "--model",
+            str(v0),
+            "--name",
+            "s1",
+            "--threads",
+            "1",
+            "-o",
+            "train.group_size=2",
+            "-o",
+            "task.name=add",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        with BrokerClient(url, TRAINER) as trainer:
+            trainer.publish(0, v0 / "model.safetensors")
+            groups = pull_until(trainer, 4, step=0)
+            assert all(g.group.version == 0 and len(g.group.completions) == 2 for g in groups)
+            assert all(len(g.rewards) == 2 for g in groups)
+            trainer.ack([g.group.job_id for g in groups], 0)
+
+            trainer.publish(1, v1 / "model.safetensors")
+            later = pull_until(trainer, 2, step=1)
+            assert all(g.group.version == 1 for g in later)
+            # The behaviour log-probs are v1's: the sampler swapped its weights in place.
+            model, tok = load_policy(v1)
+            job = later[0].group
+            c = job.completions[0]
+            prompt_ids = tok(_prompt_of(tmp_path / "b", job.job_id), add_special_tokens=False)[
+                "input_ids"
+            ]
+            batch = collate([Sequence(prompt_ids, c.token_ids, c.logprobs, 0.0)], tok.pad_token_id)
+            with torch.no_grad():
+                logp, _ = token_logprobs(model, batch)
+            mask = batch.loss_mask.bool()
+            assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
+    finally:
+        sampler.send_signal(signal.SIGTERM)
+        out = sampler.communicate(timeout=30)[0]
+        stop_broker(broker)
+    assert sampler.returncode == 0, out
+    assert "s1: stopped after" in out
+
+
+def _prompt_of(data_dir, job_id):
+    import sqlite3
+
+    with sqlite3.connect(data_dir / "broker.sqlite") as db:
+        return db.execute("SELECT prompt FROM jobs WHERE job_id = ?", (job_id,)).fetchone()[0]
