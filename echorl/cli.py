@@ -292,6 +292,29 @@ def sampler(
 
 
 @app.command()
+def trainer(
+    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    token: str = typer.Option(None, envvar="ECHORL_TRAINER_TOKEN", help="trainer token"),
+    model: Path = typer.Option(..., help="local HF folder: the starting policy (published as v0)"),
+    out: str = typer.Option(None, help="output folder (train.out_dir)"),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """Run the trainer against a broker: pull, update, ack, publish the next version."""
+    cfg = _config(config, override, **{"train.out_dir": out})
+    _quiet_transformers()
+    _threads(cfg)
+    from echorl.client import BrokerClient
+    from echorl.trainer.decoupled import run_trainer
+
+    with BrokerClient(broker_url, token) as client:
+        folder = run_trainer(cfg, model, client, console)
+    console.print(
+        f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
+    )
+
+
+@app.command()
 def status(
     broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
     token: str = typer.Option(None, envvar="ECHORL_TOKEN", help="bearer token (or $ECHORL_TOKEN)"),

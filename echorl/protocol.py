@@ -192,8 +192,9 @@ class PullRequest(_Wire):
 
 class PulledGroup(_Wire):
     group: RolloutGroup
-    rewards: list[float]
+    rewards: list[float]  # the broker's own scores, the only rewards to train on
     sampler_id: str
+    prompt: str  # the job's prompt, which the trainer prepends to every completion
 
 
 class PullReply(_Wire):

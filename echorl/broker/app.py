@@ -212,7 +212,9 @@ def create_app(cfg: RunConfig) -> FastAPI:
         dropped.inc(n_dropped)
         return PullReply(
             groups=[
-                PulledGroup(group=g.group, rewards=g.rewards, sampler_id=g.sampler_id)
+                PulledGroup(
+                    group=g.group, rewards=g.rewards, sampler_id=g.sampler_id, prompt=g.prompt
+                )
                 for g in groups
             ],
             dropped_stale=n_dropped,

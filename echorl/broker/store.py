@@ -57,6 +57,7 @@ class StoredGroup:
     group: RolloutGroup
     rewards: list[float]  # recomputed by the broker's verifier; the only rewards trained on
     sampler_id: str
+    prompt: str
 
 
 ProblemFn = Callable[[int], Problem]  # job seed -> problem (the task's own `problem`)
@@ -322,14 +323,14 @@ class BrokerStore:
                     (min_version,),
                 ).rowcount
                 rows = c.execute(
-                    "SELECT job_id, body, rewards, sampler_id FROM rollouts "
-                    "WHERE state = 'ready' ORDER BY version DESC, job_id LIMIT ?",
+                    "SELECT r.job_id, body, rewards, sampler_id, prompt FROM rollouts r JOIN jobs USING (job_id) "
+                    "WHERE r.state = 'ready' ORDER BY version DESC, r.job_id LIMIT ?",
                     (n,),
                 )
             else:
                 rows = c.execute(
-                    "SELECT job_id, body, rewards, sampler_id FROM rollouts "
-                    "WHERE state = 'ready' AND version = ? ORDER BY job_id LIMIT ?",
+                    "SELECT r.job_id, body, rewards, sampler_id, prompt FROM rollouts r JOIN jobs USING (job_id) "
+                    "WHERE r.state = 'ready' AND version = ? ORDER BY r.job_id LIMIT ?",
                     (version, n),
                 )
             rows = rows.fetchall()
@@ -338,8 +339,8 @@ class BrokerStore:
                 [(now + lease_seconds, r[0]) for r in rows],
             )
             groups = [
-                StoredGroup(RolloutGroup.model_validate_json(body), json.loads(rw), sid)
-                for _, body, rw, sid in rows
+                StoredGroup(RolloutGroup.model_validate_json(body), json.loads(rw), sid, prompt)
+                for _, body, rw, sid, prompt in rows
             ]
             return groups, dropped
 
