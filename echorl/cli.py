@@ -191,7 +191,7 @@ def demo(
     """The whole pipeline on the tiny model: warm-up, co-located RL, before/after, plot."""
     cfg = _config(
         config,
-        override,
+        ["train.eval_every=20", *(override or [])],
         **{"task.name": task, "train.steps": steps, "train.out_dir": str(out / "rl")},
     )
     _quiet_transformers()

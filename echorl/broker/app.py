@@ -269,6 +269,14 @@ def create_app(cfg: RunConfig) -> FastAPI:
             version=version, sha256=served, size_bytes=final.stat().st_size, dtype=b.sampler_dtype
         )
 
+    def stored(version: int) -> Path:
+        path = data / "weights" / f"v{version}.safetensors"
+        if not path.is_file():
+            raise HTTPException(
+                404, f"version {version} is not stored (kept: the last {b.keep_versions})"
+            )
+        return path
+
     @app.get("/v1/weights/latest", dependencies=[sampler])
     def latest_weights() -> WeightVersion:
         v = store.latest_version()
@@ -278,11 +286,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @app.get("/v1/versions/{v}", dependencies=[sampler])
     def describe(v: int = PathParam(ge=0, le=MAX_ID)) -> WeightVersion:
-        path = data / "weights" / f"v{v}.safetensors"
-        if not path.is_file():
-            raise HTTPException(
-                404, f"version {v} is not stored (kept: the last {b.keep_versions})"
-            )
+        path = stored(v)
         return WeightVersion(
             version=v,
             sha256=(path.with_suffix(".sha256")).read_text(),
@@ -292,11 +296,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @app.get("/v1/weights/{version}", dependencies=[sampler])
     def download(version: int = PathParam(ge=0, le=MAX_ID)) -> FileResponse:
-        path = data / "weights" / f"v{version}.safetensors"
-        if not path.is_file():
-            raise HTTPException(
-                404, f"version {version} is not stored (kept: the last {b.keep_versions})"
-            )
+        path = stored(version)
         return FileResponse(
             path,
             media_type="application/octet-stream",
