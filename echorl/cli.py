@@ -332,7 +332,16 @@ def status(
         f"mode [bold]{st['mode']}[/bold]   latest version [bold]{st['latest_version']}[/bold]"
     )
     table = Table(title="samplers")
-    for col in ("id", "name", "hardware", "backend", "version held", "last seen (s ago)", "state"):
+    for col in (
+        "id",
+        "name",
+        "hardware",
+        "backend",
+        "version held",
+        "tokens/s",
+        "last seen (s ago)",
+        "state",
+    ):
         table.add_column(col)
     now = time.time()
     for s in st["samplers"]:
@@ -342,6 +351,7 @@ def status(
             s["hardware"],
             s["backend"],
             str(s["version_held"]),
+            "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.0f}",
             f"{now - s['last_seen']:.0f}",
             s["state"],
         )

@@ -116,12 +116,11 @@ class BrokerClient:
     def register(self, info: SamplerInfo) -> str:
         return self._post("/v1/samplers", info, RegisterReply).sampler_id
 
-    def heartbeat(self, sampler_id: str, version_held: int | None = None) -> int:
-        r = self._request(
-            "POST",
-            f"/v1/samplers/{sampler_id}/heartbeat",
-            json=HeartbeatRequest(version_held=version_held).model_dump(),
-        )
+    def heartbeat(
+        self, sampler_id: str, version_held: int | None = None, tokens_per_s: float | None = None
+    ) -> int:
+        body = HeartbeatRequest(version_held=version_held, tokens_per_s=tokens_per_s)
+        r = self._request("POST", f"/v1/samplers/{sampler_id}/heartbeat", json=body.model_dump())
         return r.json()["latest_version"]
 
     def lease(self, sampler_id: str, n: int = 1) -> LeaseReply:

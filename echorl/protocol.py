@@ -163,6 +163,9 @@ class RegisterReply(_Wire):
 
 class HeartbeatRequest(_Wire):
     version_held: int | None = Field(None, ge=0, le=MAX_ID)
+    tokens_per_s: float | None = Field(
+        None, ge=0.0, le=1e9, description="generation speed of the last batch"
+    )
 
 
 class LeaseRequest(_Wire):

@@ -169,7 +169,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @app.post("/v1/samplers/{sampler_id}/heartbeat", dependencies=[sampler])
     def heartbeat(body: HeartbeatRequest, sampler_id: str = PathParam(max_length=64)) -> dict:
-        store.heartbeat(sampler_id, time.time(), body.version_held)
+        store.heartbeat(sampler_id, time.time(), body.version_held, body.tokens_per_s)
         return {"latest_version": store.latest_version()}
 
     @app.post("/v1/jobs/lease", dependencies=[sampler])

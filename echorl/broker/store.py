@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS samplers (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, hardware TEXT NOT NULL, backend TEXT NOT NULL,
     max_batch INTEGER NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
-    version_held INTEGER, state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left')));
+    version_held INTEGER, tokens_per_s REAL, state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left')));
 CREATE TABLE IF NOT EXISTS jobs (
     job_id INTEGER PRIMARY KEY, task TEXT NOT NULL, seed INTEGER NOT NULL, prompt TEXT NOT NULL,
     group_size INTEGER NOT NULL, required_version INTEGER,
@@ -132,13 +132,19 @@ class BrokerStore:
         sampler_id = uuid.uuid4().hex[:16]
         self._tx(
             lambda c: c.execute(
-                "INSERT INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 'alive')",
+                "INSERT INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, 'alive')",
                 (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now),
             )
         )
         return sampler_id
 
-    def heartbeat(self, sampler_id: str, now: float, version_held: int | None = None) -> None:
+    def heartbeat(
+        self,
+        sampler_id: str,
+        now: float,
+        version_held: int | None = None,
+        tokens_per_s: float | None = None,
+    ) -> None:
         def fn(c):
             row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
             if row is None:
@@ -147,8 +153,9 @@ class BrokerStore:
                 raise ProtocolError(f"sampler {sampler_id!r} has left; register again")
             c.execute(
                 "UPDATE samplers SET last_seen = ?, state = 'alive', "
-                "version_held = COALESCE(?, version_held) WHERE id = ?",
-                (now, version_held, sampler_id),
+                "version_held = COALESCE(?, version_held), tokens_per_s = COALESCE(?, tokens_per_s) "
+                "WHERE id = ?",
+                (now, version_held, tokens_per_s, sampler_id),
             )
 
         self._tx(fn)
@@ -398,6 +405,7 @@ class BrokerStore:
             "max_batch",
             "last_seen",
             "version_held",
+            "tokens_per_s",
             "state",
         )
         rows = self._tx(lambda c: c.execute(f"SELECT {', '.join(cols)} FROM samplers").fetchall())

@@ -67,6 +67,7 @@ class Sampler:
         (required,) = needed
         self.ensure_version(latest if required is None else required)
         task = get_task(self.cfg.task.name)
+        tokens, t_start = 0, time.perf_counter()
         for job in jobs:
             problem = task.problem(job.seed)
             t0 = time.perf_counter()
@@ -81,6 +82,8 @@ class Sampler:
             )
             self.client.push(sampler_id, to_wire(group, job.job_id, time.perf_counter() - t0))
             self.pushed += 1
+            tokens += sum(len(c.token_ids) for c in group.completions)
+        self.client.heartbeat(sampler_id, self.version, tokens / (time.perf_counter() - t_start))
 
     def run(self, stop: threading.Event) -> None:
         sampler_id = self.client.register(

@@ -80,6 +80,12 @@ def test_sampler_follows_published_versions_and_swaps_weights_in_place(tmp_path)
                 logp, _ = token_logprobs(model, batch)
             mask = batch.loss_mask.bool()
             assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
+            for _ in range(100):  # the sampler reports its version and speed after each batch
+                (row,) = trainer.status()["samplers"]
+                if row["version_held"] == 1:
+                    break
+                time.sleep(0.1)
+            assert row["version_held"] == 1 and row["tokens_per_s"] > 0 and row["name"] == "s1"
     finally:
         sampler.send_signal(signal.SIGTERM)
         out = sampler.communicate(timeout=30)[0]
