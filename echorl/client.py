@@ -123,6 +123,10 @@ class BrokerClient:
         r = self._request("POST", f"/v1/samplers/{sampler_id}/heartbeat", json=body.model_dump())
         return r.json()["latest_version"]
 
+    def leave(self, sampler_id: str) -> int:
+        """Leave the swarm; the broker re-queues this sampler's leased jobs at once."""
+        return self._request("POST", f"/v1/samplers/{sampler_id}/leave").json()["returned"]
+
     def lease(self, sampler_id: str, n: int = 1) -> LeaseReply:
         return self._post("/v1/jobs/lease", LeaseRequest(sampler_id=sampler_id, n=n), LeaseReply)
 

@@ -172,6 +172,10 @@ def create_app(cfg: RunConfig) -> FastAPI:
         store.heartbeat(sampler_id, time.time(), body.version_held, body.tokens_per_s)
         return {"latest_version": store.latest_version()}
 
+    @app.post("/v1/samplers/{sampler_id}/leave", dependencies=[sampler])
+    def leave(sampler_id: str = PathParam(max_length=64)) -> dict:
+        return {"returned": store.leave(sampler_id)}
+
     @app.post("/v1/jobs/lease", dependencies=[sampler])
     def lease(body: LeaseRequest) -> LeaseReply:
         now = time.time()

@@ -160,6 +160,24 @@ class BrokerStore:
 
         self._tx(fn)
 
+    def leave(self, sampler_id: str) -> int:
+        """A sampler leaves: its leased jobs go back to the queue at once (no attempt counted).
+        Returns how many were returned."""
+
+        def fn(c):
+            if (
+                c.execute("UPDATE samplers SET state = 'left' WHERE id = ?", (sampler_id,)).rowcount
+                == 0
+            ):
+                raise ProtocolError(f"unknown sampler {sampler_id!r}")
+            return c.execute(
+                "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
+                "WHERE state = 'leased' AND lease_owner = ?",
+                (sampler_id,),
+            ).rowcount
+
+        return self._tx(fn)
+
     def expire(self, now: float, sampler_timeout: float) -> tuple[int, int]:
         """Mark silent samplers lost and return expired leases to the queue.
         Returns (leases returned, samplers lost)."""

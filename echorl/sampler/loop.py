@@ -100,6 +100,10 @@ class Sampler:
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 log.warning("%s: broker unavailable (%s); retrying", self.name, e)
                 stop.wait(2.0)
+        try:  # hand back what it will not finish, so nobody waits for the lease to expire
+            self.client.leave(sampler_id)
+        except BrokerUnavailable:
+            log.warning("%s: could not tell the broker it left; its leases will expire", self.name)
 
 
 def _hardware() -> str:

@@ -92,6 +92,11 @@ def test_sampler_follows_published_versions_and_swaps_weights_in_place(tmp_path)
         stop_broker(broker)
     assert sampler.returncode == 0, out
     assert "s1: stopped after" in out
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "b" / "broker.sqlite") as db:
+        assert db.execute("SELECT state FROM samplers").fetchall() == [("left",)]
+        assert db.execute("SELECT COUNT(*) FROM jobs WHERE state = 'leased'").fetchone()[0] == 0
 
 
 def _prompt_of(data_dir, job_id):

@@ -78,6 +78,19 @@ def test_a_lost_sampler_frees_its_leases(s):
     assert s.lease(a, 1, 2, now=62, lease_seconds=10)[0].job_id == 2
 
 
+def test_a_leaving_sampler_returns_its_leases_at_once(s):
+    a, b = sampler(s, "a"), sampler(s, "b")
+    s.lease(a, 2, 2, now=0, lease_seconds=1000)
+    s.lease(b, 1, 2, now=0, lease_seconds=1000)
+    assert s.leave(a) == 2
+    assert s.counts()["jobs"] == {"leased": 1, "queued": 2}
+    assert [j.job_id for j in s.lease(b, 2, 2, now=1, lease_seconds=10)] == [0, 1]
+    with pytest.raises(ProtocolError, match="not registered and alive"):
+        s.lease(a, 1, 2, now=1, lease_seconds=10)
+    with pytest.raises(ProtocolError, match="has left"):
+        s.heartbeat(a, now=2)
+
+
 def test_push_is_idempotent(s):
     a = sampler(s)
     s.set_latest_version(0)
