@@ -27,7 +27,7 @@ from echorl.seeding import derive_seed
 from echorl.tasks import Task, get_task, take
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.evaluate import EvalResult, evaluate
-from echorl.trainer.update import build_optimizer, build_scheduler, groups_to_batch, train_on_batch
+from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
 @dataclass
@@ -70,20 +70,9 @@ def rl_step(
         version=step,
     )
     t1 = time.perf_counter()
-    informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
-    metrics = {"optim/skipped": 1.0}
-    if informative:
-        batch = groups_to_batch(informative, backend.tokenizer, cfg)
-        metrics = train_on_batch(
-            backend.model,
-            opt,
-            sched,
-            batch,
-            cfg,
-            ref_model,
-            seed=derive_seed(cfg.train.seed, "shuffle", step),
-        )
-        metrics["optim/skipped"] = 0.0
+    metrics = update_policy(
+        backend.model, backend.tokenizer, opt, sched, groups, cfg, step, ref_model
+    )
     t2 = time.perf_counter()
     tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
     return {

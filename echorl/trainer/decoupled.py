@@ -26,10 +26,9 @@ from echorl.models import load_policy
 from echorl.protocol import PulledGroup
 from echorl.sampler.backends.hf import Completion
 from echorl.sampler.rollout import Group
-from echorl.seeding import derive_seed
 from echorl.tasks import Problem
 from echorl.trainer.colocated import reward_metrics
-from echorl.trainer.update import build_optimizer, build_scheduler, groups_to_batch, train_on_batch
+from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
 def publish(client: BrokerClient, model: PreTrainedModel, version: int, folder: Path) -> float:
@@ -94,21 +93,8 @@ def run_trainer(
         for step in range(cfg.train.steps):
             pulled, wait = collect(client, cfg.train.batch_prompts, step)
             groups = to_groups(pulled, cfg.task.name)
-            informative = [
-                g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1
-            ]
             t0 = time.perf_counter()
-            metrics = {"optim/skipped": 1.0}
-            if informative:
-                metrics = train_on_batch(
-                    model,
-                    opt,
-                    sched,
-                    groups_to_batch(informative, tokenizer, cfg),
-                    cfg,
-                    seed=derive_seed(cfg.train.seed, "shuffle", step),
-                )
-                metrics["optim/skipped"] = 0.0
+            metrics = update_policy(model, tokenizer, opt, sched, groups, cfg, step)
             train_s = time.perf_counter() - t0
             client.ack([p.group.job_id for p in pulled], step)
             publish_s = publish(client, model, step + 1, Path(tmp))

@@ -2,7 +2,7 @@
 
     groups -> advantages -> Batch -> old log-probs -> (epochs x minibatches) loss/backward/step
 
-`train_on_groups` is the whole trainer-side step, shared by the co-located loop
+`update_policy` is the whole trainer-side step, shared by the co-located loop
 and the decoupled trainer; it knows nothing of where the groups came from.
 """
 
@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import OptimConfig, RunConfig
 from echorl.sampler.rollout import Group
+from echorl.seeding import derive_seed
 from echorl.trainer.advantages import compute_advantages
 from echorl.trainer.batch import Batch, Sequence, collate, token_logprobs
 from echorl.trainer.losses import LOSSES, LossInputs
@@ -105,3 +106,33 @@ def train_on_batch(
     # KL(behaviour || trainer) before the update: how far the sampler's policy was from ours.
     out["rollout/kl_behaviour_old"] = (batch.behaviour_logp - old_logp)[mask].mean().item()
     return out
+
+
+def update_policy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    groups: list[Group],
+    cfg: RunConfig,
+    step: int,
+    ref_model: PreTrainedModel | None = None,
+) -> dict[str, float]:
+    """The trainer's step on scored groups, shared by the co-located and the decoupled loop.
+
+    Flat groups (all rewards equal) are left out when `train.drop_flat_groups`; a step with
+    nothing left makes no optimiser step and reports `optim/skipped = 1`."""
+    informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
+    if not informative:
+        return {"optim/skipped": 1.0}
+    batch = groups_to_batch(informative, tokenizer, cfg)
+    metrics = train_on_batch(
+        model,
+        optimizer,
+        scheduler,
+        batch,
+        cfg,
+        ref_model,
+        seed=derive_seed(cfg.train.seed, "shuffle", step),
+    )
+    return metrics | {"optim/skipped": 0.0}
