@@ -1,5 +1,6 @@
 """Fixtures that start real broker processes on loopback ports."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -49,6 +50,39 @@ def start_broker(data_dir, port, *overrides):
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.1)
     raise AssertionError("broker did not start")
+
+
+def start_sampler(url, model, name, *args):
+    """Start `echorl sampler` against `url` with one torch thread; returns the process."""
+    env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
+    cmd = [
+        sys.executable,
+        "-m",
+        "echorl.cli",
+        "sampler",
+        "--broker",
+        url,
+        "--model",
+        str(model),
+        "--name",
+        name,
+        "--threads",
+        "1",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def register(url, name="s1", **info) -> str:
+    """Register a sampler over HTTP; returns its id."""
+    reply = httpx.post(
+        f"{url}/v1/samplers",
+        json={"name": name, **info},
+        headers={"Authorization": f"Bearer {SAMPLER}"},
+    )
+    return reply.json()["sampler_id"]
 
 
 def stop_broker(proc) -> str:

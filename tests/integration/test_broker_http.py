@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from tests.integration.conftest import SAMPLER, TRAINER
+from tests.integration.conftest import SAMPLER, TRAINER, register
 
 pytestmark = pytest.mark.integration
 
@@ -32,9 +32,7 @@ def group(job_id, version=0, ids=(26, 17, 1)):
 
 def test_a_sync_round_trip_over_http(broker):
     url, data = broker
-    sid = httpx.post(f"{url}/v1/samplers", json={"name": "s1"}, headers=as_(SAMPLER)).json()[
-        "sampler_id"
-    ]
+    sid = register(url, "s1")
 
     def lease():
         return httpx.post(
@@ -76,16 +74,12 @@ def test_a_sync_round_trip_over_http(broker):
 
 def test_bad_requests_get_a_reason_and_change_nothing(broker):
     url, data = broker
-    sid = httpx.post(f"{url}/v1/samplers", json={"name": "s1"}, headers=as_(SAMPLER)).json()[
-        "sampler_id"
-    ]
+    sid = register(url, "s1")
     publish(url, 0, b"weights")
     job = httpx.post(
         f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
     ).json()["jobs"][0]["job_id"]
-    other = httpx.post(f"{url}/v1/samplers", json={"name": "s2"}, headers=as_(SAMPLER)).json()[
-        "sampler_id"
-    ]
+    other = register(url, "s2")
     push = f"{url}/v1/rollouts"
 
     def dump():
@@ -223,9 +217,7 @@ def test_async_admission_control_and_retention(tmp_path):
         kept = sorted(p.name for p in (tmp_path / "b" / "weights").glob("*.safetensors"))
         assert kept == ["v2.safetensors", "v3.safetensors"]
         assert httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER)).status_code == 404
-        sid = httpx.post(f"{url}/v1/samplers", json={"name": "s"}, headers=as_(SAMPLER)).json()[
-            "sampler_id"
-        ]
+        sid = register(url, "s")
 
         def lease(n):
             return httpx.post(
@@ -248,14 +240,12 @@ def test_async_admission_control_and_retention(tmp_path):
 
 
 def test_more_hostile_requests_are_refused_without_side_effects(broker):
-    """With the table above: 27 distinct malformed or hostile requests, each a 4xx with a reason."""
+    """With the table above: 29 distinct malformed or hostile requests, each a 4xx with a reason."""
     import json
     import sqlite3
 
     url, data = broker
-    sid = httpx.post(f"{url}/v1/samplers", json={"name": "s1"}, headers=as_(SAMPLER)).json()[
-        "sampler_id"
-    ]
+    sid = register(url, "s1")
     publish(url, 0, b"weights")
     job = httpx.post(
         f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
@@ -346,12 +336,8 @@ def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
     )
     try:
         publish(url, 0, b"w")
-        a = httpx.post(f"{url}/v1/samplers", json={"name": "a"}, headers=as_(SAMPLER)).json()[
-            "sampler_id"
-        ]
-        b = httpx.post(f"{url}/v1/samplers", json={"name": "b"}, headers=as_(SAMPLER)).json()[
-            "sampler_id"
-        ]
+        a = register(url, "a")
+        b = register(url, "b")
 
         def lease(sid, n=1):
             return [

@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from echorl.models import save_tiny_model
-from tests.integration.conftest import SAMPLER, TRAINER, free_port, start_broker, stop_broker
+from tests.integration.conftest import (
+    SAMPLER,
+    TRAINER,
+    free_port,
+    start_broker,
+    start_sampler,
+    stop_broker,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -31,32 +38,7 @@ def test_protocol_holds_end_to_end(tmp_path, mode, bound):
     ]
     broker, url = start_broker(tmp_path / "b", free_port(), *run)
     env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER, "ECHORL_TRAINER_TOKEN": TRAINER}
-    samplers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "echorl.cli",
-                "sampler",
-                "--broker",
-                url,
-                "--model",
-                str(model),
-                "--name",
-                f"s{k}",
-                "--threads",
-                "1",
-                "--jobs-per-lease",
-                "2",
-                *run,
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for k in range(2)
-    ]
+    samplers = [start_sampler(url, model, f"s{k}", "--jobs-per-lease", "2", *run) for k in range(2)]
     try:
         trainer = subprocess.run(
             [

@@ -1,9 +1,6 @@
 """A real sampler process on a real broker; the test plays the trainer (sync protocol)."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +9,7 @@ import torch
 from echorl.client import BrokerClient
 from echorl.models import load_policy, save_tiny_model
 from echorl.trainer.batch import Sequence, collate, token_logprobs
-from tests.integration.conftest import SAMPLER, TRAINER, free_port, start_broker, stop_broker
+from tests.integration.conftest import TRAINER, free_port, start_broker, start_sampler, stop_broker
 
 pytestmark = pytest.mark.integration
 
@@ -32,31 +29,7 @@ def test_sampler_follows_published_versions_and_swaps_weights_in_place(tmp_path)
         save_tiny_model(tmp_path / "v1", "1m", seed=1),
     )
     broker, url = start_broker(tmp_path / "b", free_port(), "-o", "task.name=add")
-    env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
-    sampler = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "echorl.cli",
-            "sampler",
-            "--broker",
-            url,
-            "--model",
-            str(v0),
-            "--name",
-            "s1",
-            "--threads",
-            "1",
-            "-o",
-            "train.group_size=2",
-            "-o",
-            "task.name=add",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    sampler = start_sampler(url, v0, "s1", "-o", "train.group_size=2", "-o", "task.name=add")
     try:
         with BrokerClient(url, TRAINER) as trainer:
             trainer.publish(0, v0 / "model.safetensors")
