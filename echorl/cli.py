@@ -1,6 +1,8 @@
 """`echorl` command line: build the tiny model, warm it up, train, evaluate, demo.
 
-echorl demo                                   # tiny model, warm-up, co-located RL, plot
+echorl demo                                   # warm-up, then the decoupled swarm learns `add`
+echorl run examples/async.toml                # broker + samplers + trainer, live view, report
+echorl broker / sampler / trainer -c FILE     # the same roles by hand, on any machines
 echorl tiny runs/tiny --preset 1m
 echorl sft --task add --model runs/tiny --out runs/sft
 echorl train --colocated --task add --model runs/sft -o train.steps=100
@@ -188,22 +190,18 @@ def demo(
     config: Path = CONFIG,
     override: list[str] = OVERRIDE,
 ) -> None:
-    """The whole pipeline on the tiny model: warm-up, co-located RL, before/after, plot."""
+    """The decoupled system on the tiny model: warm-up, then a broker, a sampler and a trainer
+    as separate processes under the async protocol; live view, report, plots."""
     cfg = _config(
         config,
-        ["train.eval_every=20", *(override or [])],
-        **{"task.name": task, "train.steps": steps, "train.out_dir": str(out / "rl")},
+        [*DEMO, *(override or [])],
+        **{"task.name": task, "train.steps": steps, "train.out_dir": str(out)},
     )
-    _quiet_transformers()
-    _threads(cfg)
-    from echorl.trainer.colocated import run_colocated
+    raise typer.Exit(_run_swarm(cfg))
 
-    console.rule(f"warm-up: tiny {cfg.model.preset} model on {cfg.task.name}")
-    sft_dir = warm_up_to(cfg, None, out / "sft")
-    console.rule(
-        f"co-located GRPO: {cfg.train.steps} steps of {cfg.train.batch_prompts}x{cfg.train.group_size}"
-    )
-    _print_result(run_colocated(cfg, sft_dir, console=console))
+
+# The demo's settings over the defaults: async push-pull, one staleness step, eval every 20.
+DEMO = ["broker.mode=async", "broker.max_staleness=1", "train.eval_every=20"]
 
 
 @app.command()
@@ -248,70 +246,147 @@ def broker(
     uvicorn.run(api, host=cfg.broker.host, port=cfg.broker.port, log_level="warning")
 
 
+def _stop_on_signals():
+    """An event set by SIGTERM or SIGINT: the process finishes what it holds, then exits."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
+
+
 @app.command()
 def sampler(
-    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    broker_url: str = typer.Option(None, "--broker", help="broker URL (default: broker.url)"),
     token: str = typer.Option(None, envvar="ECHORL_SAMPLER_TOKEN", help="sampler token"),
     model: Path = typer.Option(
-        ..., help="local HF folder with the policy's architecture and tokenizer"
+        None, help="local HF folder with the policy's architecture and tokenizer (model.path)"
     ),
     name: str = typer.Option(None, help="sampler name (default: sampler-PID)"),
-    device: str = typer.Option("cpu", help="cpu, cuda, mps"),
-    threads: int = typer.Option(None, min=1, help="torch threads"),
-    jobs_per_lease: int = typer.Option(4, min=1, max=1024),
+    device: str = typer.Option(None, help="cpu, cuda, mps (sampler.device)"),
+    threads: int = typer.Option(None, min=1, help="torch threads (sampler.threads)"),
+    jobs_per_lease: int = typer.Option(None, min=1, help="sampler.jobs_per_lease"),
+    metrics: Path = typer.Option(None, help="append per-batch metrics to this JSONL file"),
     config: Path = CONFIG,
     override: list[str] = OVERRIDE,
 ) -> None:
     """Run a sampler: lease jobs, hold the weights the protocol needs, generate, push."""
-    import signal
     import tempfile
-    import threading
 
+    cfg = _config(
+        config,
+        override,
+        **{
+            "model.path": model,
+            "sampler.device": device,
+            "sampler.threads": threads,
+            "sampler.jobs_per_lease": jobs_per_lease,
+        },
+    )
+    if cfg.model.path is None:
+        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
+        raise typer.Exit(2)
+    _quiet_transformers()
     import torch
 
     from echorl.client import BrokerClient
+    from echorl.metrics import MetricsLog
     from echorl.models import load_policy
     from echorl.sampler.backends.hf import HFBackend
     from echorl.sampler.loop import Sampler
 
-    cfg = _config(config, override)
-    _quiet_transformers()
-    if threads:
-        torch.set_num_threads(threads)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if cfg.sampler.threads:
+        torch.set_num_threads(cfg.sampler.threads)
+    stop = _stop_on_signals()
     name = name or f"sampler-{os.getpid()}"
-    with BrokerClient(broker_url, token) as client, tempfile.TemporaryDirectory() as cache:
-        worker = Sampler(
-            client, HFBackend(*load_policy(model, device)), cfg, name, Path(cache), jobs_per_lease
-        )
-        console.print(f"{name}: sampling for {broker_url}")
+    url = broker_url or cfg.broker.address
+    backend = HFBackend(*load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device))
+    with BrokerClient(url, token, retries=10) as client, tempfile.TemporaryDirectory() as cache:
+        log = MetricsLog(metrics) if metrics else None
+        worker = Sampler(client, backend, cfg, name, Path(cache), log)
+        console.print(f"{name}: sampling for {url}")
         worker.run(stop)
-    console.print(f"{name}: stopped after {worker.pushed} groups")
+    console.print(f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused)")
 
 
 @app.command()
 def trainer(
-    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    broker_url: str = typer.Option(None, "--broker", help="broker URL (default: broker.url)"),
     token: str = typer.Option(None, envvar="ECHORL_TRAINER_TOKEN", help="trainer token"),
-    model: Path = typer.Option(..., help="local HF folder: the starting policy (published as v0)"),
+    model: Path = typer.Option(
+        None, help="local HF folder: the starting policy, published as v0 (model.path)"
+    ),
     out: str = typer.Option(None, help="output folder (train.out_dir)"),
+    resume: bool = typer.Option(
+        False, help="continue from the latest checkpoint in the output folder"
+    ),
     config: Path = CONFIG,
     override: list[str] = OVERRIDE,
 ) -> None:
-    """Run the trainer against a broker: pull, update, ack, publish the next version."""
-    cfg = _config(config, override, **{"train.out_dir": out})
+    """Run the trainer against a broker: pull, update, ack, publish the next version.
+    SIGTERM checkpoints and exits; --resume continues exactly."""
+    cfg = _config(config, override, **{"train.out_dir": out, "model.path": model})
+    if cfg.model.path is None:
+        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
+        raise typer.Exit(2)
     _quiet_transformers()
     _threads(cfg)
-    from echorl.client import BrokerClient
+    from echorl.client import BrokerClient, BrokerError
     from echorl.trainer.decoupled import run_trainer
 
-    with BrokerClient(broker_url, token) as client:
-        folder = run_trainer(cfg, model, client, console)
+    stop = _stop_on_signals()
+    url = broker_url or cfg.broker.address
+    try:
+        with BrokerClient(url, token, retries=10) as client:
+            folder = run_trainer(cfg, cfg.model.path, client, console, resume, stop)
+    except BrokerError as e:
+        console.print(f"[red]broker {url}:[/red] {e}")
+        raise typer.Exit(1) from None
     console.print(
         f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
     )
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(None, help="run config, TOML or YAML (default: all defaults)"),
+    out: str = typer.Option(None, help="output folder (train.out_dir)"),
+    resume: bool = typer.Option(False, help="resume the trainer from its last checkpoint"),
+    override: list[str] = OVERRIDE,
+) -> None:
+    """The whole swarm on this machine: broker, samplers and trainer as separate processes,
+    with a live view and a report at the end."""
+    cfg = _config(config, override, **{"train.out_dir": out})
+    _quit = _run_swarm(cfg, resume)
+    raise typer.Exit(_quit)
+
+
+def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
+    from echorl.launch.local import launch, summarise
+
+    _quiet_transformers()
+    out = Path(cfg.train.out_dir)
+    model_dir = Path(cfg.model.path) if cfg.model.path else out / "sft"
+    if cfg.model.path is None and not (resume and model_dir.is_dir()):
+        if not cfg.launch.warm_up:
+            console.print(
+                "[red]model.path:[/red] unset, and launch.warm_up is off: nothing to train"
+            )
+            return 2
+        _threads(cfg)
+        console.rule(f"warm-up: tiny {cfg.model.preset} model on {cfg.task.name}")
+        warm_up_to(cfg, None, model_dir)
+    console.rule(
+        f"{cfg.broker.mode} RL: {cfg.launch.samplers} sampler(s) + 1 trainer, "
+        f"{cfg.train.steps} steps of {cfg.train.batch_prompts}x{cfg.train.group_size}"
+    )
+    code, folder = launch(cfg, model_dir, console, resume)
+    if (folder / "metrics.jsonl").is_file():
+        summarise(folder, console)
+    console.print(f"logs: {folder / 'logs'}   metrics: {folder / 'metrics.jsonl'}")
+    return code
 
 
 @app.command()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,8 @@ from echorl.protocol import (
     PushReply,
     PushRequest,
     RegisterReply,
+    RewindReply,
+    RewindRequest,
     RolloutGroup,
     SamplerInfo,
     WeightVersion,
@@ -204,7 +207,16 @@ class BrokerClient:
         return WeightVersion.model_validate_json(r.content)
 
     def pull(self, n: int, step: int) -> PullReply:
-        return self._post("/v1/batches/pull", PullRequest(n=n, step=step), PullReply)
+        """Up to `n` groups for `step`; retries carry one request id, so a retry whose first
+        answer was lost gets the same groups instead of leaving them leased to nobody."""
+        body = PullRequest(n=n, step=step, request_id=uuid.uuid4().hex)
+        return self._post("/v1/batches/pull", body, PullReply)
+
+    def rewind(self, step: int, consumed: list[int]) -> RewindReply:
+        """Resume: tell the broker where the trainer's checkpoint left off."""
+        return self._post(
+            "/v1/trainer/rewind", RewindRequest(step=step, consumed=consumed), RewindReply
+        )
 
     def ack(self, job_ids: list[int], step: int) -> int:
         return self._request(

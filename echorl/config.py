@@ -205,6 +205,40 @@ class BrokerConfig(_Section):
     insecure_no_auth: bool = Field(
         False, description="accept every call without a token (local demos only)"
     )
+    url: str | None = Field(
+        None,
+        description="where samplers and trainer reach the broker; unset = http://host:port",
+    )
+
+    @property
+    def address(self) -> str:
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+class SamplerConfig(_Section):
+    """A sampler process (`echorl sampler`, or each one `echorl run` starts)."""
+
+    jobs_per_lease: int = Field(
+        16, ge=1, le=1024, description="jobs leased, and generated as one batch, at a time"
+    )
+    device: str | None = Field(None, description="torch device; unset = model.device")
+    threads: int | None = Field(
+        None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
+    )
+    idle_poll_s: float = Field(
+        0.05, gt=0.0, le=60.0, description="wait before asking again when no job was admitted"
+    )
+
+
+class LaunchConfig(_Section):
+    """`echorl run`: a broker, the samplers and the trainer as processes on this machine."""
+
+    samplers: int = Field(1, ge=0, le=256, description="sampler processes to start")
+    sampler_threads: int = Field(1, ge=1, le=256, description="torch threads per sampler")
+    trainer_threads: int = Field(1, ge=1, le=256, description="torch threads of the trainer")
+    warm_up: bool = Field(
+        True, description="when model.path is unset: warm the tiny model up (sft) before RL"
+    )
 
 
 class RunConfig(_Section):
@@ -217,6 +251,8 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     broker: BrokerConfig = BrokerConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
     def _group_needs_peers(self) -> RunConfig:

@@ -1,6 +1,8 @@
-"""Metrics: append-only JSONL (one object per step) and PNG plots of it.
+"""Metrics: append-only JSONL (one object per step), TensorBoard when installed, PNG plots.
 
 Keys are namespaced (`reward/mean`, `rollout/staleness_max`, `trainer/step_s`).
+TensorBoard event files go next to the JSONL (`tb/`) when the optional
+`tensorboard` package is installed (`pip install echorl[tb]`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 class MetricsLog:
     """Append-only JSONL; each line is flushed so a crash loses at most the step in flight."""
 
-    def __init__(self, path: Path, keep_through_step: int = 0):
+    def __init__(self, path: Path, keep_through_step: int = 0, tensorboard: bool = False):
         """Open `path` for appending, first dropping records of steps after `keep_through_step`
-        (a resumed run rewrites what it logged after its checkpoint); 0 starts afresh."""
+        (a resumed run rewrites what it logged after its checkpoint); 0 starts afresh.
+        `tensorboard`: also write event files to `path.parent / "tb"`, if tensorboard is installed."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_through_step and path.is_file():
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= keep_through_step]
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.tb = _summary_writer(path.parent / "tb") if tensorboard else None
 
     def write(self, record: dict) -> None:
         clean = {
@@ -35,6 +39,23 @@ class MetricsLog:
         }
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(k, v, record.get("step", 0))
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _summary_writer(folder: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the optional extra is not installed: JSONL only
+        return None
+    return SummaryWriter(str(folder))
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -69,6 +90,45 @@ def plot_reward_curve(records: list[dict], path: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
+    return _save(fig, path)
+
+
+def plot_run(records: list[dict], out: Path, title: str = "") -> list[Path]:
+    """The decoupled run's report: reward vs step and vs wall-clock, staleness per step."""
+    train = [r for r in records if "reward/mean" in r]
+    paths = [plot_reward_curve(records, out / "reward_curve.png", title=f"{title}: reward")]
+    if not train or "time" not in train[0]:
+        return paths
+    t0 = min(r["time"] - r.get("trainer/idle_s", 0) - r.get("trainer/step_s", 0) for r in train)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    wall = [r["time"] - t0 for r in train]
+    reward = [r["reward/mean"] for r in train]
+    ax.plot(wall, reward, color="tab:blue", alpha=0.3, label="train reward (mean)")
+    ax.plot(wall, _moving_average(reward, 10), color="tab:blue", label="10-step avg")
+    ax.set_xlabel("wall-clock (s)")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"{title}: reward vs wall-clock")
+    paths.append(_save(fig, out / "reward_vs_time.png"))
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=120)
+    steps = [r["step"] for r in train]
+    hists = [r.get("rollout/staleness_hist", [len(train)]) for r in train]
+    depth = max(len(h) for h in hists)
+    bottom = [0] * len(train)
+    for k in range(depth):
+        counts = [h[k] if k < len(h) else 0 for h in hists]
+        ax.bar(steps, counts, bottom=bottom, width=1.0, label=f"staleness {k}")
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("groups in the batch")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.set_title(f"{title}: staleness of consumed groups")
+    paths.append(_save(fig, out / "staleness.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -191,6 +191,11 @@ class PushReply(_Wire):
 class PullRequest(_Wire):
     n: int = Field(ge=1, le=65536)
     step: int = Field(ge=0, le=MAX_ID, description="the trainer's step; sync pulls version == step")
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="a retry with the same id gets the same groups (its first answer was lost)",
+    )
 
 
 class PulledGroup(_Wire):
@@ -208,3 +213,19 @@ class PullReply(_Wire):
 class AckRequest(_Wire):
     job_ids: list[Id] = Field(max_length=65536)
     step: int = Field(ge=0, le=MAX_ID)
+
+
+class RewindRequest(_Wire):
+    """trainer -> broker (resume): where the trainer's checkpoint left off."""
+
+    step: int = Field(ge=0, le=MAX_ID, description="steps the checkpoint completed")
+    consumed: list[Id] = Field(
+        max_length=1 << 24, description="job ids of every group the checkpoint trained on"
+    )
+
+
+class RewindReply(_Wire):
+    returned: int  # groups consumed or pulled after the checkpoint, ready again
+    regenerated: int  # groups of forgotten versions, deleted; their jobs are queued again
+    leases_returned: int
+    latest_version: int  # the trainer publishes latest_version + 1 next (its own v_step if -1)

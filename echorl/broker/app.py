@@ -28,7 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from echorl.broker.store import BrokerStore
+from echorl.broker.store import Admission, BrokerStore
 from echorl.config import RunConfig
 from echorl.models.tokenizer import byte_tokenizer
 from echorl.protocol import (
@@ -44,6 +44,8 @@ from echorl.protocol import (
     PushReply,
     PushRequest,
     RegisterReply,
+    RewindReply,
+    RewindRequest,
     SamplerInfo,
     WeightVersion,
 )
@@ -176,21 +178,22 @@ def create_app(cfg: RunConfig) -> FastAPI:
     def leave(sampler_id: str = PathParam(max_length=64)) -> dict:
         return {"returned": store.leave(sampler_id)}
 
+    # Sync is admission with max_staleness 0 and every job pinned to the latest version.
+    admit = Admission(
+        batch=cfg.train.batch_prompts,
+        max_staleness=b.max_staleness if b.mode == "async" else 0,
+        pin_version=b.mode == "sync",
+    )
+
     @app.post("/v1/jobs/lease", dependencies=[sampler])
     def lease(body: LeaseRequest) -> LeaseReply:
         now = time.time()
         store.heartbeat(body.sampler_id, now)
-        v = store.latest_version()
-        if v < 0:
-            return LeaseReply(jobs=[], latest_version=v)  # nothing to generate with yet
-        n, required = body.n, v
-        if b.mode == "async":
-            # Admission control: never more work out than the trainer can take within the bound.
-            n, required = min(n, admission_limit(cfg) - store.in_flight()), None
-        if n <= 0:
-            return LeaseReply(jobs=[], latest_version=v)
-        jobs = store.lease(body.sampler_id, n, cfg.train.group_size, now, b.lease_seconds, required)
-        return LeaseReply(jobs=jobs, latest_version=v)
+        jobs = store.lease(
+            body.sampler_id, body.n, cfg.train.group_size, now, b.lease_seconds, admit=admit
+        )
+        # Read after the lease: at least the version its admission budget was computed with.
+        return LeaseReply(jobs=jobs, latest_version=store.latest_version())
 
     @app.post("/v1/rollouts", dependencies=[sampler])
     def push(body: PushRequest) -> PushReply:
@@ -206,13 +209,19 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @app.post("/v1/batches/pull", dependencies=[trainer])
     def pull(body: PullRequest) -> PullReply:
-        now = time.time()
-        if b.mode == "sync":
-            groups, n_dropped = store.pull(body.n, now, b.trainer_lease_seconds, version=body.step)
-        else:
-            groups, n_dropped = store.pull(
-                body.n, now, b.trainer_lease_seconds, min_version=body.step - b.max_staleness
+        if body.n > cfg.train.batch_prompts:
+            raise ProtocolError(
+                f"pull of {body.n} groups, but this broker admits batches of "
+                f"train.batch_prompts = {cfg.train.batch_prompts}: give trainer and broker one config"
             )
+        window = (
+            {"version": body.step}
+            if b.mode == "sync"
+            else {"min_version": body.step - b.max_staleness}
+        )
+        groups, n_dropped = store.pull(
+            body.n, time.time(), b.trainer_lease_seconds, request_id=body.request_id, **window
+        )
         dropped.inc(n_dropped)
         return PullReply(
             groups=[
@@ -228,11 +237,27 @@ def create_app(cfg: RunConfig) -> FastAPI:
     def ack(body: AckRequest) -> dict:
         return {"consumed": store.ack(body.job_ids, body.step)}
 
+    @app.post("/v1/trainer/rewind", dependencies=[trainer])
+    def rewind(body: RewindRequest) -> RewindReply:
+        has_step = (data / "weights" / f"v{body.step}.safetensors").is_file()
+        reply = store.rewind(
+            body.step, set(body.consumed), body.step if has_step else body.step - 1
+        )
+        for path in (data / "weights").glob("v*.safetensors"):
+            if int(path.stem[1:]) > reply["latest_version"]:
+                _forget(path)
+        latest.set(reply["latest_version"])
+        log.warning("trainer resumed at step %d: %s", body.step, reply)
+        return RewindReply(**reply)
+
     @app.put("/v1/weights/{version}", dependencies=[trainer])
     async def publish(request: Request, version: int = PathParam(ge=0, le=MAX_ID)) -> WeightVersion:
         expected = request.headers.get("x-sha256", "")
         if len(expected) != 64:
             raise HTTPException(400, "header X-Sha256 with the upload's hex sha256 is required")
+        source_sha = data / "weights" / f"v{version}.upload.sha256"
+        if version == store.latest_version() and _read(source_sha) == expected:
+            return describe(version)  # a retry whose first answer was lost: already stored
         if version != store.latest_version() + 1:
             raise ProtocolError(
                 f"version {version} is not the next one (latest is {store.latest_version()})"
@@ -266,6 +291,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         else:
             tmp.replace(final)
         (data / "weights" / f"v{version}.sha256").write_text(served)
+        source_sha.write_text(expected)
         store.set_latest_version(version)
         latest.set(version)
         _retain(data / "weights", version, b.keep_versions, store.referenced_versions())
@@ -332,15 +358,20 @@ def _cast_safetensors(src: Path, dst: Path, dtype: str) -> str:
     return h.hexdigest()
 
 
-def admission_limit(cfg: RunConfig) -> int:
-    """Most groups out at once in async mode: the batches of the versions still within the bound."""
-    return (cfg.broker.max_staleness + 1) * cfg.train.batch_prompts
-
-
 def _retain(folder: Path, newest: int, keep: int, referenced: set[int]) -> None:
     """Delete weight files older than the last `keep` versions, except those still referenced."""
     for path in folder.glob("v*.safetensors"):
         v = int(path.stem[1:])
         if v <= newest - keep and v not in referenced:
-            path.unlink(missing_ok=True)
-            path.with_suffix(".sha256").unlink(missing_ok=True)
+            _forget(path)
+
+
+def _forget(path: Path) -> None:
+    """Delete a version's weights and its digests."""
+    path.unlink(missing_ok=True)
+    path.with_suffix(".sha256").unlink(missing_ok=True)
+    path.with_suffix(".upload.sha256").unlink(missing_ok=True)
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None

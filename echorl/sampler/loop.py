@@ -6,7 +6,10 @@ The protocol decides which weights a batch of jobs needs: sync jobs carry
 `required_version` (pulled before generating: every call refreshes the
 weights); async jobs use the latest version the broker reported, re-checked
 between batches. Weights are swapped in place with `load_state_dict` between
-generations, never during one. The loop knows nothing of training.
+generations, never during one. A lease (`sampler.jobs_per_lease` jobs) is
+generated as one batch. A group the broker refuses (its lease ran out) is
+counted and dropped; a broker that is down is waited for. The loop knows
+nothing of training.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from echorl.client import BrokerClient, BrokerUnavailable
+from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
+from echorl.metrics import MetricsLog
 from echorl.protocol import Job, SamplerInfo
 from echorl.sampler.backends.hf import HFBackend
 from echorl.sampler.rollout import rollout, to_wire
@@ -38,52 +42,80 @@ class Sampler:
         cfg: RunConfig,
         name: str,
         cache: Path,
-        jobs_per_lease: int = 4,
-        idle_sleep: float = 0.2,
+        metrics: MetricsLog | None = None,
     ):
         self.client, self.backend, self.cfg, self.name = client, backend, cfg, name
-        self.cache, self.jobs_per_lease, self.idle_sleep = cache, jobs_per_lease, idle_sleep
-        self.version: int | None = None  # the version whose weights the backend holds
-        self.pushed = 0
+        self.cache, self.metrics = cache, metrics
+        self.held: tuple[int, str] | None = None  # (version, sha256) of the weights in the backend
+        self.pushed = self.rejected = 0
+        self.idle_s = 0.0  # waiting for admitted jobs since the last batch
         cache.mkdir(parents=True, exist_ok=True)
 
-    def ensure_version(self, version: int) -> None:
-        """Download `version` (verified) and load it in place, unless already held."""
-        if version == self.version:
-            return
+    @property
+    def version(self) -> int | None:
+        return None if self.held is None else self.held[0]
+
+    def ensure_version(self, version: int) -> float:
+        """Download `version` (verified) and load it in place, unless already held; returns the
+        seconds spent. Weights are known by sha256 too: a resumed trainer may re-publish a
+        version number with other weights."""
         info = self.client.describe(version)
+        if self.held == (version, info.sha256):
+            return 0.0
+        t0 = time.perf_counter()
         path = self.client.download(info, self.cache / f"v{version}.safetensors")
         model = self.backend.model
         dtype = next(model.parameters()).dtype
         state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in load_file(path).items()}
         model.load_state_dict(state, strict=True)
         path.unlink()
-        self.version = version
+        self.held = (version, info.sha256)
         log.info("%s: now holds version %d", self.name, version)
+        return time.perf_counter() - t0
 
     def work(self, sampler_id: str, jobs: list[Job], latest: int) -> None:
+        """Generate the leased jobs as one batch with one version, and push each group."""
         needed = {j.required_version for j in jobs}
         assert len(needed) == 1, f"one lease mixes required versions {needed}"
         (required,) = needed
-        self.ensure_version(latest if required is None else required)
+        download_s = self.ensure_version(latest if required is None else required)
         task = get_task(self.cfg.task.name)
-        tokens, t_start = 0, time.perf_counter()
-        for job in jobs:
-            problem = task.problem(job.seed)
-            t0 = time.perf_counter()
-            (group,) = rollout(
-                self.backend,
-                task,
-                [problem],
-                job.group_size,
-                self.cfg.sampling,
-                seed=derive_seed(self.cfg.train.seed, "job", job.job_id),
-                version=self.version,
+        t0 = time.perf_counter()
+        groups = rollout(
+            self.backend,
+            task,
+            [task.problem(job.seed) for job in jobs],
+            jobs[0].group_size,
+            self.cfg.sampling,
+            # One seed per lease: the same jobs leased the same way give the same tokens.
+            seed=derive_seed(self.cfg.train.seed, "lease", *[j.job_id for j in jobs]),
+            version=self.version,
+        )
+        gen_s = time.perf_counter() - t0
+        for job, group in zip(jobs, groups):
+            try:
+                self.client.push(sampler_id, to_wire(group, job.job_id, gen_s / len(jobs)))
+                self.pushed += 1
+            except BrokerRejected as e:  # the lease ran out, or a resumed trainer took it back
+                self.rejected += 1
+                log.warning("%s: group for job %d refused: %s", self.name, job.job_id, e.reason)
+        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+        self.client.heartbeat(sampler_id, self.version, tokens / gen_s)
+        if self.metrics:
+            self.metrics.write(
+                {
+                    "time": time.time(),
+                    "version": self.version,
+                    "jobs": len(jobs),
+                    "sampler/tokens": tokens,
+                    "sampler/gen_s": gen_s,
+                    "sampler/tokens_per_s": tokens / gen_s,
+                    "sampler/download_s": download_s,
+                    "sampler/idle_s": self.idle_s,
+                    "sampler/rejected": self.rejected,
+                }
             )
-            self.client.push(sampler_id, to_wire(group, job.job_id, time.perf_counter() - t0))
-            self.pushed += 1
-            tokens += sum(len(c.token_ids) for c in group.completions)
-        self.client.heartbeat(sampler_id, self.version, tokens / (time.perf_counter() - t_start))
+        self.idle_s = 0.0
 
     def run(self, stop: threading.Event) -> None:
         sampler_id = self.client.register(
@@ -91,19 +123,26 @@ class Sampler:
         )
         log.info("%s registered as %s", self.name, sampler_id)
         while not stop.is_set():
+            t0 = time.perf_counter()
             try:
-                reply = self.client.lease(sampler_id, self.jobs_per_lease)
+                reply = self.client.lease(sampler_id, self.cfg.sampler.jobs_per_lease)
                 if reply.jobs:
                     self.work(sampler_id, reply.jobs, reply.latest_version)
-                else:
-                    stop.wait(self.idle_sleep)
+                    continue
+                stop.wait(self.cfg.sampler.idle_poll_s)
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 log.warning("%s: broker unavailable (%s); retrying", self.name, e)
                 stop.wait(2.0)
+            except BrokerRejected as e:  # e.g. a version deleted by a resumed trainer
+                log.warning("%s: %s; leasing again", self.name, e)
+                stop.wait(self.cfg.sampler.idle_poll_s)
+            self.idle_s += time.perf_counter() - t0
         try:  # hand back what it will not finish, so nobody waits for the lease to expire
             self.client.leave(sampler_id)
         except BrokerUnavailable:
             log.warning("%s: could not tell the broker it left; its leases will expire", self.name)
+        if self.metrics:
+            self.metrics.close()
 
 
 def _hardware() -> str:

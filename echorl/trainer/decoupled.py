@@ -1,33 +1,45 @@
-"""The trainer process: pull a batch from the broker, update, publish the next version, ack.
+"""The trainer process: pull a batch from the broker, update, ack, publish the next version.
 
     echorl trainer --broker http://127.0.0.1:8000 --token T --model runs/demo/sft -c run.toml
+    echorl trainer ... --resume        # after a crash: continue from the last checkpoint
 
 It publishes v0 (the starting weights), then for step s: pulls B groups under
 the broker's protocol (sync: version == s; async: staleness <= max_staleness),
-trains on them with the same `train_on_batch` as the co-located loop (the
+trains on them with the same `update_policy` as the co-located loop (the
 sampler's behaviour log-probs feed the truncated importance weight), acks them
-at step s and publishes v(s+1). It never talks to a sampler.
+at step s, publishes v(s+1) and, every `checkpoint_every` steps and on
+SIGTERM, checkpoints model, optimiser, RNG and the set of consumed job ids.
+It never talks to a sampler.
+
+Resuming tells the broker where the checkpoint left off (`rewind`): groups the
+dead trainer consumed after it are offered again, versions it published after
+it are forgotten, so every group is trained into the final model exactly once.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-from echorl.client import BrokerClient
+from echorl.client import BrokerClient, BrokerRejected
 from echorl.config import RunConfig
-from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
+from echorl.metrics import MetricsLog, plot_run, read_metrics
 from echorl.models import load_policy
 from echorl.protocol import PulledGroup
-from echorl.sampler.backends.hf import Completion
+from echorl.sampler.backends.hf import Completion, HFBackend
 from echorl.sampler.rollout import Group
-from echorl.tasks import Problem
+from echorl.tasks import Problem, get_task
+from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import reward_metrics
+from echorl.trainer.evaluate import evaluate
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
@@ -46,16 +58,18 @@ def publish(client: BrokerClient, model: PreTrainedModel, version: int, folder: 
 
 
 def collect(
-    client: BrokerClient, n: int, step: int, poll: float = 0.1
-) -> tuple[list[PulledGroup], dict]:
-    """Pull until `n` groups are in hand; returns them and the idle/stale counts."""
+    client: BrokerClient, n: int, step: int, stop: threading.Event, poll: float = 0.05
+) -> tuple[list[PulledGroup] | None, dict]:
+    """Pull until `n` groups are in hand, sorted by job id (so the batch does not depend on
+    arrival order); None if `stop` was set first. Also returns the idle time and stale drops."""
     groups, dropped, t0 = [], 0, time.perf_counter()
     while len(groups) < n:
         reply = client.pull(n - len(groups), step)
         groups += reply.groups
         dropped += reply.dropped_stale
-        if len(groups) < n:
-            time.sleep(poll)
+        if len(groups) < n and stop.wait(poll):
+            return None, {}
+    groups.sort(key=lambda p: p.group.job_id)
     return groups, {
         "trainer/idle_s": time.perf_counter() - t0,
         "broker/groups_dropped_stale": dropped,
@@ -74,50 +88,160 @@ def to_groups(pulled: list[PulledGroup], task_name: str) -> list[Group]:
     ]
 
 
-def staleness_metrics(groups: list[Group], step: int) -> dict[str, float]:
+def staleness_metrics(groups: list[Group], step: int) -> dict:
     stale = [step - g.version for g in groups]
-    return {"rollout/staleness_mean": sum(stale) / len(stale), "rollout/staleness_max": max(stale)}
+    hist = Counter(stale)
+    return {
+        "rollout/staleness_mean": sum(stale) / len(stale),
+        "rollout/staleness_max": max(stale),
+        "rollout/staleness_hist": [hist.get(k, 0) for k in range(max(stale) + 1)],
+        "rollout/versions": sorted({g.version for g in groups}),
+    }
+
+
+def swarm_metrics(client: BrokerClient) -> dict[str, float]:
+    """Samplers alive and their summed generation speed, as they last reported it."""
+    alive = [s for s in client.status()["samplers"] if s["state"] == "alive"]
+    return {
+        "samplers/alive": len(alive),
+        "samplers/tokens_per_s": sum(s["tokens_per_s"] or 0.0 for s in alive),
+    }
+
+
+class DecoupledTrainer:
+    """One trainer process: its model, optimiser, step and the job ids it has trained on."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str | Path, client: BrokerClient, console=None):
+        self.cfg, self.client = cfg, client
+        self.console = console or Console()
+        self.out = Path(cfg.train.out_dir)
+        self.model_dir = Path(model_dir)
+        self.task = get_task(cfg.task.name)
+        self.step = 0
+        self.consumed: list[int] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="echorl-publish-"))
+
+    def start(self, resume: bool) -> None:
+        """Load the policy (or the last checkpoint), and bring the broker to the same point."""
+        ckpt = latest_checkpoint(self.out / "checkpoints") if resume else None
+        self.model, self.tokenizer = load_policy(
+            ckpt / "policy" if ckpt else self.model_dir, self.cfg.model.device
+        )
+        self.ref_model = copy.deepcopy(self.model).eval() if self.cfg.loss.kl_coef > 0 else None
+        self.opt = build_optimizer(self.model, self.cfg.optim)
+        self.sched = build_scheduler(self.opt, self.cfg.optim)
+        if ckpt:
+            state = load_trainer_state(ckpt, self.opt, self.sched)
+            self.step, self.consumed = state.step, list(state.extra["consumed"])
+        self.log = MetricsLog(
+            self.out / "metrics.jsonl", keep_through_step=self.step, tensorboard=True
+        )
+        if resume:
+            reply = self.client.rewind(self.step, self.consumed)
+            self.console.print(
+                f"resumed at step {self.step}: {reply.returned} groups offered again, "
+                f"{reply.regenerated} to regenerate"
+            )
+            if reply.latest_version == self.step - 1:
+                publish(self.client, self.model, self.step, self.tmp)
+        else:
+            if self.client.latest() is not None:
+                raise BrokerRejected(
+                    409,
+                    "the broker already holds weight versions: pass --resume to continue that "
+                    "run, or start the broker on a fresh data dir",
+                )
+            publish(self.client, self.model, 0, self.tmp)
+        if self.step == 0:
+            self.log.write({"step": 0, **self.evaluate()})
+
+    def evaluate(self) -> dict[str, float]:
+        ev = evaluate(
+            HFBackend(self.model, self.tokenizer),
+            self.task,
+            self.cfg.train.eval_prompts,
+            self.cfg.task.seed,
+        )
+        return {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
+
+    def train_step(self, stop: threading.Event) -> dict | None:
+        """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups."""
+        cfg, step = self.cfg, self.step
+        pulled, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
+        if pulled is None:
+            return None
+        groups = to_groups(pulled, cfg.task.name)
+        t0 = time.perf_counter()
+        metrics = update_policy(
+            self.model, self.tokenizer, self.opt, self.sched, groups, cfg, step, self.ref_model
+        )
+        train_s = time.perf_counter() - t0
+        ids = [p.group.job_id for p in pulled]
+        self.client.ack(ids, step)
+        self.consumed += ids
+        publish_s = publish(self.client, self.model, step + 1, self.tmp)
+        self.step = step + 1
+        return {
+            "step": self.step,
+            "time": time.time(),
+            **reward_metrics(groups),
+            **staleness_metrics(groups, step),
+            **metrics,
+            **wait,
+            "trainer/step_s": train_s,
+            "perf/publish_s": publish_s,
+            **swarm_metrics(self.client),
+        }
+
+    def checkpoint(self) -> None:
+        save_checkpoint(
+            self.out / "checkpoints",
+            self.step,
+            self.model,
+            self.tokenizer,
+            self.opt,
+            self.sched,
+            extra={"consumed": self.consumed},
+        )
+
+    def run(self, stop: threading.Event) -> Path:
+        """Train until `train.steps` or `stop` (SIGTERM: checkpoint, then return)."""
+        cfg = self.cfg.train
+        t_start = time.perf_counter()
+        while self.step < cfg.steps and not stop.is_set():
+            record = self.train_step(stop)
+            if record is None:
+                break
+            record["trainer/wall_s"] = time.perf_counter() - t_start
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                record |= self.evaluate()
+            if self.step == cfg.steps:
+                record |= self.evaluate()
+            self.log.write(record)
+            self.console.print(
+                f"step {self.step}/{cfg.steps}  reward {record['reward/mean']:.3f}  "
+                f"staleness {record['rollout/staleness_mean']:.2f}  "
+                f"idle {record['trainer/idle_s']:.2f}s  train {record['trainer/step_s']:.2f}s"
+            )
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.checkpoint()
+        self.checkpoint()
+        self.log.close()
+        if self.step == cfg.steps:
+            self.model.save_pretrained(self.out / "policy")
+            self.tokenizer.save_pretrained(self.out / "policy")
+        plot_run(read_metrics(self.out / "metrics.jsonl"), self.out, f"{self.cfg.broker.mode}")
+        return self.out
 
 
 def run_trainer(
-    cfg: RunConfig, model_dir: str | Path, client: BrokerClient, console: Console | None = None
+    cfg: RunConfig,
+    model_dir: str | Path,
+    client: BrokerClient,
+    console: Console | None = None,
+    resume: bool = False,
+    stop: threading.Event | None = None,
 ) -> Path:
-    console = console or Console()
-    out = Path(cfg.train.out_dir)
-    model, tokenizer = load_policy(model_dir, cfg.model.device)
-    opt = build_optimizer(model, cfg.optim)
-    sched = build_scheduler(opt, cfg.optim)
-    log = MetricsLog(out / "metrics.jsonl")
-    with tempfile.TemporaryDirectory() as tmp:
-        publish(client, model, 0, Path(tmp))
-        for step in range(cfg.train.steps):
-            pulled, wait = collect(client, cfg.train.batch_prompts, step)
-            groups = to_groups(pulled, cfg.task.name)
-            t0 = time.perf_counter()
-            metrics = update_policy(model, tokenizer, opt, sched, groups, cfg, step)
-            train_s = time.perf_counter() - t0
-            client.ack([p.group.job_id for p in pulled], step)
-            publish_s = publish(client, model, step + 1, Path(tmp))
-            record = {
-                "step": step + 1,
-                **reward_metrics(groups),
-                **staleness_metrics(groups, step),
-                **metrics,
-                **wait,
-                "trainer/step_s": train_s,
-                "perf/publish_s": publish_s,
-                "rollout/versions": sorted({g.version for g in groups}),
-            }
-            log.write(record)
-            console.print(
-                f"step {step + 1}/{cfg.train.steps}  reward {record['reward/mean']:.3f}  "
-                f"staleness max {record['rollout/staleness_max']}  idle {wait['trainer/idle_s']:.1f}s"
-            )
-    plot_reward_curve(
-        read_metrics(out / "metrics.jsonl"),
-        out / "reward_curve.png",
-        title=f"decoupled GRPO on {cfg.task.name}",
-    )
-    model.save_pretrained(out / "policy")
-    tokenizer.save_pretrained(out / "policy")
-    return out
+    trainer = DecoupledTrainer(cfg, model_dir, client, console)
+    trainer.start(resume)
+    return trainer.run(stop or threading.Event())

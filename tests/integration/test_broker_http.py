@@ -212,11 +212,7 @@ def test_async_admission_control_and_retention(tmp_path):
         "broker.keep_versions=2",
     )
     try:
-        for v in range(4):
-            assert publish(url, v, f"weights {v}".encode()).status_code == 200
-        kept = sorted(p.name for p in (tmp_path / "b" / "weights").glob("*.safetensors"))
-        assert kept == ["v2.safetensors", "v3.safetensors"]
-        assert httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER)).status_code == 404
+        assert publish(url, 0, b"weights 0").status_code == 200
         sid = register(url, "s")
 
         def lease(n):
@@ -224,17 +220,27 @@ def test_async_admission_control_and_retention(tmp_path):
                 f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
             ).json()["jobs"]
 
-        first = lease(5)  # (max_staleness + 1) * B = 6 may be out at once
+        def pull(step, n=3):
+            return httpx.post(
+                f"{url}/v1/batches/pull", json={"n": n, "step": step}, headers=as_(TRAINER)
+            )
+
+        first = lease(5)  # (latest + max_staleness + 1) * B = 6 may ever be out at v0
         assert len(first) == 5 and all(j["required_version"] is None for j in first)
         assert len(lease(5)) == 1 and lease(5) == []
-        body = {"sampler_id": sid, "group": group(first[0]["job_id"], version=3)}
+        body = {"sampler_id": sid, "group": group(first[0]["job_id"], version=0)}
         assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()["stored"]
         assert lease(5) == []  # the pushed group still waits in the buffer
-        pulled = httpx.post(
-            f"{url}/v1/batches/pull", json={"n": 3, "step": 3}, headers=as_(TRAINER)
-        )
-        assert len(pulled.json()["groups"]) == 1
-        assert len(lease(5)) == 1  # taken by the trainer: room for one more
+        assert len(pull(0).json()["groups"]) == 1
+        assert lease(5) == []  # taken by the trainer, but still counted against v0's budget
+        assert pull(0, n=4).status_code == 409  # more than B: the trainer's config differs
+        assert publish(url, 1, b"weights 1").status_code == 200
+        assert len(lease(5)) == 3  # v1 makes room for one more batch
+        for v in (2, 3):
+            assert publish(url, v, f"weights {v}".encode()).status_code == 200
+        kept = sorted(p.name for p in (tmp_path / "b" / "weights").glob("*.safetensors"))
+        assert kept == ["v2.safetensors", "v3.safetensors"]
+        assert httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER)).status_code == 404
     finally:
         stop_broker(proc)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from echorl.broker.store import BrokerStore
+from echorl.broker.store import Admission, BrokerStore
 from echorl.protocol import ProtocolError, RolloutGroup, SamplerInfo
 from echorl.tasks import get_task
 
@@ -146,7 +146,8 @@ def fill(s, versions):
 def test_sync_pull_takes_exactly_one_version(s):
     fill(s, [1, 2, 2, 1])
     groups, dropped = s.pull(10, now=2, lease_seconds=10, version=2)
-    assert sorted(g.group.job_id for g in groups) == [1, 2] and dropped == 0
+    assert sorted(g.group.job_id for g in groups) == [1, 2]
+    assert dropped == 2  # version 1 can never be consumed once the trainer is at step 2
     assert all(g.group.version == 2 and g.rewards == [1.0, 0.0] for g in groups)
 
 
@@ -170,3 +171,58 @@ def test_pulled_groups_come_back_if_not_acked_and_are_consumed_once(s):
     s.expire(now=100, sampler_timeout=1e9)
     assert s.pull(3, now=100, lease_seconds=10, version=0)[0] == []
     assert s.counts()["rollouts"] == {"consumed": 3}
+
+
+def test_admission_keeps_out_only_what_the_bound_lets_the_trainer_consume(s):
+    a = sampler(s)
+    admit = Admission(batch=2, max_staleness=1, pin_version=False)
+    assert s.lease(a, 9, 2, now=0, lease_seconds=10, admit=admit) == []  # no v0 yet
+    s.set_latest_version(0)
+    jobs = s.lease(a, 9, 2, now=0, lease_seconds=10, admit=admit)
+    assert len(jobs) == 4  # (0 + 1 + 1) * B
+    for j in jobs:
+        s.push(a, group(j.job_id), [1.0, 0.0], now=1)
+    pulled, _ = s.pull(2, now=2, lease_seconds=10, min_version=0)
+    s.ack([g.group.job_id for g in pulled], step=0)
+    assert s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit) == []  # consumed still count
+    s.set_latest_version(1)
+    assert len(s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit)) == 2
+
+
+def test_sync_admission_pins_exactly_one_batch_to_the_latest_version(s):
+    a, b = sampler(s, "a"), sampler(s, "b")
+    admit = Admission(batch=3, max_staleness=0, pin_version=True)
+    s.set_latest_version(0)
+    first = s.lease(a, 2, 2, now=0, lease_seconds=10, admit=admit)
+    second = s.lease(b, 2, 2, now=0, lease_seconds=10, admit=admit)
+    assert [j.job_id for j in first + second] == [0, 1, 2]
+    assert {j.required_version for j in first + second} == {0}
+
+
+def test_a_retried_pull_gets_the_same_groups(s):
+    fill(s, [0, 0, 0, 0])
+    first, _ = s.pull(2, now=2, lease_seconds=10, version=0, request_id="r1")
+    again, _ = s.pull(2, now=3, lease_seconds=10, version=0, request_id="r1")
+    assert [g.group.job_id for g in again] == [g.group.job_id for g in first] == [0, 1]
+    other, _ = s.pull(2, now=3, lease_seconds=10, version=0, request_id="r2")
+    assert [g.group.job_id for g in other] == [2, 3]
+
+
+def test_rewind_returns_what_the_dead_trainer_consumed_and_forgets_its_versions(s):
+    fill(s, [0, 0, 1, 1, 2, 2])  # latest = 2; jobs 0..5
+    a = sampler(s, "late")
+    s.lease(a, 1, 2, now=0, lease_seconds=100)  # job 6, leased when the trainer dies
+    for step, ids in ((0, [0, 1]), (1, [2, 3])):
+        s.pull(2, now=1, lease_seconds=10, version=step)
+        s.ack(ids, step)
+    s.pull(2, now=1, lease_seconds=10, version=2)  # pulled, never acked
+    # The checkpoint was taken after step 1 (consumed 0, 1); it has v1's weights.
+    with pytest.raises(ProtocolError, match="not consumed at this broker"):
+        s.rewind(1, {0, 1, 9}, keep_version=1)
+    reply = s.rewind(1, {0, 1}, keep_version=1)
+    assert reply == {"returned": 4, "regenerated": 2, "leases_returned": 1, "latest_version": 1}
+    assert s.latest_version() == 1
+    assert s.counts()["rollouts"] == {"consumed": 2, "ready": 2}
+    assert s.counts()["jobs"] == {"done": 4, "queued": 3}  # jobs 4, 5 (v2) and 6 again
+    with pytest.raises(ProtocolError, match="behind the checkpoint"):
+        s.rewind(5, {0, 1}, keep_version=5)

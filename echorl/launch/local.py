@@ -1,0 +1,262 @@
+"""`echorl run`: the whole swarm on this machine, each role its own OS process.
+
+    echorl run examples/async.toml            # broker + samplers + trainer, live view, report
+    echorl run examples/sync.toml -o launch.samplers=2
+
+The launcher warms the tiny model up (unless `model.path` names a checkpoint),
+writes the resolved config to `OUT/config.yaml`, and starts `echorl broker`,
+`launch.samplers` x `echorl sampler` and `echorl trainer` with that one file,
+exactly as they would be started by hand on separate machines. Each child logs
+to `OUT/logs/ROLE.log`. While the trainer runs, a live table shows step,
+reward, version, staleness, samplers alive and tokens/s; Ctrl-C (or SIGTERM)
+stops every child cleanly (the trainer checkpoints first). A sampler that dies
+is reported and the run goes on; the broker or trainer dying ends the run.
+At the end: `OUT/metrics.jsonl`, the PNG plots, and a summary table.
+
+The launcher only starts, watches and stops processes; it knows nothing of
+the protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from echorl.config import RunConfig
+from echorl.metrics import plot_run, read_metrics
+
+
+@dataclass
+class Swarm:
+    """The child processes of one run, and where they log."""
+
+    out: Path
+    url: str
+    env: dict[str, str]
+    broker: subprocess.Popen | None = None
+    trainer: subprocess.Popen | None = None
+    samplers: list[subprocess.Popen] = field(default_factory=list)
+    logs: list = field(default_factory=list)
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = (self.out / "logs" / f"{name}.log").open("w")
+        self.logs.append(log)
+        return subprocess.Popen(
+            [sys.executable, "-m", "echorl.cli", *args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the trainer (it checkpoints), then the samplers (they hand back their leases),
+        then the broker; SIGKILL whatever is still there after `timeout`."""
+        for group in ([self.trainer], self.samplers, [self.broker]):
+            procs = [p for p in group if p is not None and p.poll() is None]
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        for log in self.logs:
+            log.close()
+
+
+def free_port(wanted: int = 0) -> int:
+    """`wanted` if nothing listens there, else any free port."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", wanted))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the broker exited with code {proc.returncode}")
+        try:
+            httpx.get(url + "/healthz", timeout=1.0).raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the broker did not answer {url}/healthz within {timeout:.0f} s")
+
+
+def resolved_config(cfg: RunConfig, out: Path, model_dir: Path, port: int) -> Path:
+    """The run's one config file, as every child reads it."""
+    data = cfg.model_dump(mode="json")
+    data["model"]["path"] = str(model_dir)
+    data["train"]["out_dir"] = str(out)
+    data["broker"] |= {"data_dir": str(out / "broker"), "port": port, "host": "127.0.0.1"}
+    data["broker"] |= {"url": None, "insecure_no_auth": False}
+    data["broker"] |= {"trainer_token": None, "sampler_token": None}  # from the environment
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def launch(
+    cfg: RunConfig, model_dir: Path, console: Console, resume: bool = False
+) -> tuple[int, Path]:
+    """Run the swarm until the trainer finishes; returns (exit code, output folder)."""
+    out = Path(cfg.train.out_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    port = free_port(cfg.broker.port)
+    config = resolved_config(cfg, out, model_dir, port)
+    env = os.environ | {
+        "ECHORL_TRAINER_TOKEN": secrets.token_hex(16),
+        "ECHORL_SAMPLER_TOKEN": secrets.token_hex(16),
+        "HF_HUB_OFFLINE": "1",
+    }
+    swarm = Swarm(out, f"http://127.0.0.1:{port}", env)
+    stop = []
+    handler = signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
+    try:
+        swarm.broker = swarm.spawn("broker", "broker", "-c", str(config))
+        wait_healthy(swarm.url, swarm.broker)
+        common = ("--broker", swarm.url, "-c", str(config))
+        swarm.samplers = [
+            swarm.spawn(
+                f"sampler-{k}",
+                "sampler",
+                *common,
+                "--name",
+                f"sampler-{k}",
+                "--threads",
+                str(cfg.launch.sampler_threads),
+                "--metrics",
+                str(out / "samplers" / f"sampler-{k}.jsonl"),
+            )
+            for k in range(cfg.launch.samplers)
+        ]
+        trainer_args = ("trainer", *common, "-o", f"model.threads={cfg.launch.trainer_threads}")
+        swarm.trainer = swarm.spawn("trainer", *trainer_args, *(["--resume"] if resume else []))
+        code = watch(swarm, cfg, console, stop)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the swarm (the trainer checkpoints first)")
+        code = 130
+    finally:
+        swarm.stop()
+        signal.signal(signal.SIGTERM, handler)
+    return code, out
+
+
+def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
+    """Refresh the live view until the trainer exits; returns its exit code."""
+    dead: set[int] = set()
+    with Live(console=console, refresh_per_second=2) as live:
+        while swarm.trainer.poll() is None:
+            if stop:
+                return 143
+            if swarm.broker.poll() is not None:
+                console.print(
+                    f"[red]the broker exited ({swarm.broker.returncode}); see logs/broker.log"
+                )
+                return 1
+            for k, p in enumerate(swarm.samplers):
+                if p.poll() is not None and k not in dead:
+                    dead.add(k)
+                    console.print(f"[yellow]sampler-{k} exited ({p.returncode}); the run goes on")
+            live.update(live_table(swarm, cfg))
+            time.sleep(0.5)
+        live.update(live_table(swarm, cfg))
+    code = swarm.trainer.returncode
+    if code:
+        console.print(
+            f"[red]the trainer exited with code {code}; see {swarm.out / 'logs/trainer.log'}"
+        )
+    return code
+
+
+def live_table(swarm: Swarm, cfg: RunConfig) -> Table:
+    path = swarm.out / "metrics.jsonl"
+    records = [r for r in read_metrics(path) if "reward/mean" in r] if path.is_file() else []
+    last = records[-1] if records else {}
+    recent = [r["reward/mean"] for r in records[-10:]]
+    try:
+        st = httpx.get(
+            swarm.url + "/v1/status",
+            headers={"Authorization": f"Bearer {swarm.env['ECHORL_TRAINER_TOKEN']}"},
+            timeout=1.0,
+        ).json()
+        alive = [s for s in st["samplers"] if s["state"] == "alive"]
+        version = st["latest_version"]
+        speed = sum(s["tokens_per_s"] or 0 for s in alive)
+    except (httpx.HTTPError, ValueError, KeyError):
+        alive, version, speed = [], "?", 0.0
+    table = Table(title=f"echorl run ({cfg.broker.mode}, {cfg.task.name})")
+    for col in (
+        "step",
+        "reward (last 10)",
+        "version",
+        "staleness mean/max",
+        "samplers",
+        "tokens/s",
+        "trainer idle s",
+    ):
+        table.add_column(col)
+    table.add_row(
+        f"{last.get('step', 0)}/{cfg.train.steps}",
+        f"{sum(recent) / len(recent):.3f}" if recent else "-",
+        str(version),
+        f"{last['rollout/staleness_mean']:.2f}/{last['rollout/staleness_max']}" if last else "-",
+        f"{len(alive)}/{len(swarm.samplers)}",
+        f"{speed:.0f}",
+        f"{last['trainer/idle_s']:.2f}" if last else "-",
+    )
+    return table
+
+
+def summarise(out: Path, console: Console) -> dict:
+    """The end-of-run table; also (re)draws the plots."""
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if "reward/mean" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    plots = plot_run(records, out, "decoupled GRPO")
+    summary: dict = {"steps": len(train)}
+    if train:
+        k = max(1, min(10, len(train) // 2))
+        wall = train[-1]["trainer/wall_s"]
+        summary |= {
+            "reward_first": sum(r["reward/mean"] for r in train[:k]) / k,
+            "reward_last": sum(r["reward/mean"] for r in train[-k:]) / k,
+            "wall_s": wall,
+            "steps_per_s": len(train) / wall,
+            "staleness_mean": sum(r["rollout/staleness_mean"] for r in train) / len(train),
+            "staleness_max": max(r["rollout/staleness_max"] for r in train),
+            "dropped_stale": sum(r["broker/groups_dropped_stale"] for r in train),
+            "trainer_busy": sum(r["trainer/step_s"] for r in train) / wall,
+        }
+    if evals:
+        summary |= {
+            "eval_first": evals[0]["eval/accuracy"],
+            "eval_last": evals[-1]["eval/accuracy"],
+        }
+    table = Table(title="run summary")
+    table.add_column("")
+    table.add_column("value")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print("plots: " + ", ".join(str(p) for p in plots))
+    return summary
