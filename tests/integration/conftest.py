@@ -99,3 +99,56 @@ def broker(tmp_path):
     proc, url = start_broker(tmp_path / "b", free_port())
     yield url, tmp_path / "b"
     stop_broker(proc)
+
+
+def start_trainer(url, model, out, *args):
+    """Start `echorl trainer` against `url` with one torch thread; returns the process."""
+    env = os.environ | {"ECHORL_TRAINER_TOKEN": TRAINER}
+    cmd = [sys.executable, "-m", "echorl.cli", "trainer", "--broker", url, "--model", str(model)]
+    cmd += ["--out", str(out), "-o", "model.threads=1", *args]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_until(predicate, timeout=180.0, what="condition", poll=0.1):
+    """Poll `predicate()` until it returns something truthy; returns that."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if value := predicate():
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def query(data_dir, sql, *params):
+    """Rows from the broker's SQLite file (read-only, while the broker may be running)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{data_dir / 'broker.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
+
+
+def read_jsonl(path):
+    import json
+
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def warm_add(tmp_path_factory):
+    """The 1m tiny model warmed up on `add` (the demo's warm-up), once per session."""
+    out = tmp_path_factory.mktemp("warm") / "sft"
+    proc = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "sft", "--task", "add", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out

@@ -73,7 +73,9 @@ def test_client_retries_until_the_broker_comes_up(tmp_path):
 
 def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
     data, port = tmp_path / "b", free_port()
-    proc, url = start_broker(data, port, "-o", "broker.synchronous=FULL")
+    # B large enough that admission never holds the pushers back.
+    big = ("-o", "train.batch_prompts=10000")
+    proc, url = start_broker(data, port, "-o", "broker.synchronous=FULL", *big)
     (tmp_path / "w").write_bytes(b"v0")
     BrokerClient(url, TRAINER).publish(0, tmp_path / "w")
     acked: list[int] = []
@@ -99,7 +101,9 @@ def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
+    t0 = time.time()
     while len(acked) < 40:
+        assert time.time() - t0 < 120, f"only {len(acked)} groups acknowledged"
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -112,7 +116,7 @@ def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
     assert set(acked) <= set(stored), set(acked) - set(stored)
     assert len(stored) == len(set(stored))
 
-    proc, url = start_broker(data, port)  # restart on the same data dir
+    proc, url = start_broker(data, port, *big)  # restart on the same data dir
     try:
         with BrokerClient(url, SAMPLER) as c:
             sid = c.register(SamplerInfo(name="after"))

@@ -1,0 +1,204 @@
+"""Co-located reference loop vs the decoupled swarm under sync and async, on the same cores.
+
+Echo's claim, measured here: decoupling sampling from training keeps the reward per
+step of the co-located loop while overlapping generation with training (async).
+
+For each seed it warms one tiny model up, then runs the same number of trainer steps
+on `add` with:
+
+- colocated:  one process, generate then train, all threads (`echorl train --colocated`);
+- sync:       broker + 1 sampler (1 thread) + trainer (1 thread), sequential pull;
+- async-1/2:  the same swarm, push-pull with max_staleness 1 and 2.
+
+    python bench/protocols.py                          # 3 seeds x 4 configs x 60 steps
+    python bench/protocols.py --seeds 0 --steps 20     # a quick look
+
+Prints a table and writes bench/results/protocols.json and bench/results/protocols.png:
+final reward (mean +- std over seeds), held-out accuracy, wall-clock per step,
+time to a target reward, trainer and sampler utilisation, and the overlap efficiency
+of async = steps/s / (1 / max(T_generate, T_train)) from the measured phase times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from echorl.metrics import read_metrics  # noqa: E402
+
+CONFIGS = {
+    "colocated": [],
+    "sync": ["broker.mode=sync"],
+    "async-1": ["broker.mode=async", "broker.max_staleness=1"],
+    "async-2": ["broker.mode=async", "broker.max_staleness=2"],
+}
+
+
+def echorl(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", *args], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise SystemExit(f"echorl {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def run_one(name: str, model: Path, out: Path, seed: int, steps: int, threads: int) -> Path:
+    common = [f"train.seed={seed}", f"task.seed={seed}", f"train.steps={steps}"]
+    common += ["train.eval_every=0", "train.checkpoint_every=0"]
+    if name == "colocated":
+        args = ["train", "--colocated", "--model", str(model), "--out", str(out)]
+        common.append(f"model.threads={threads}")
+    else:
+        args = ["run", "--out", str(out)]
+        common += [f"model.path={model}", "broker.port=0", *CONFIGS[name]]
+    for o in common:
+        args += ["-o", o]
+    echorl(*args)
+    return out
+
+
+def time_to(train: list[dict], wall: list[float], target: float, window: int = 10) -> float | None:
+    """Seconds until the `window`-step moving average of the train reward first reaches `target`."""
+    for i in range(window - 1, len(train)):
+        if sum(r["reward/mean"] for r in train[i - window + 1 : i + 1]) / window >= target:
+            return wall[i]
+    return None
+
+
+def measure(name: str, out: Path, target: float) -> dict:
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if "reward/mean" in r]
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    if name == "colocated":
+        walls, acc = [], 0.0
+        for r in train:
+            acc += r["perf/total_s"]
+            walls.append(acc)
+        gen = [r["perf/gen_s"] for r in train]
+        sampler_busy = sum(gen) / walls[-1]
+        t_gen = statistics.mean(gen)
+    else:
+        walls = [r["trainer/wall_s"] for r in train]
+        batches = read_metrics(out / "samplers" / "sampler-0.jsonl")
+        span = batches[-1]["time"] - batches[0]["time"] + batches[0]["sampler/gen_s"]
+        sampler_busy = sum(b["sampler/gen_s"] for b in batches) / max(span, walls[-1])
+        t_gen = statistics.mean(b["sampler/gen_s"] for b in batches)  # one lease = one batch
+    t_train = statistics.mean(r["trainer/step_s"] for r in train)
+    steps_per_s = len(train) / walls[-1]
+    k = min(10, len(train))
+    return {
+        "final_reward": sum(r["reward/mean"] for r in train[-k:]) / k,
+        "eval_before": evals[0] if evals else None,
+        "eval_after": evals[-1] if evals else None,
+        "s_per_step": walls[-1] / len(train),
+        "steps_per_s": steps_per_s,
+        "time_to_target_s": time_to(train, walls, target),
+        "trainer_util": sum(r["trainer/step_s"] for r in train) / walls[-1],
+        "sampler_util": sampler_busy,
+        "t_generate_s": t_gen,
+        "t_train_s": t_train,
+        "overlap_eff": steps_per_s * max(t_gen, t_train),
+        "curve": [(w, r["reward/mean"]) for w, r in zip(walls, train)],
+    }
+
+
+def mean_std(xs: list[float | None]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.3f}"
+    return f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs):.3f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=2, help="cores: co-located uses them all")
+    ap.add_argument("--target", type=float, default=0.85, help="train reward to time (10-step avg)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--work", type=Path, default=Path("runs/bench_protocols"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    console = Console()
+    model = args.work / "sft"
+    if not model.is_dir():
+        console.print("warming the tiny model up on add (shared by every run)")
+        echorl("sft", "--task", "add", "--out", str(model))
+    results: dict[str, list[dict]] = {c: [] for c in args.configs}
+    for seed in args.seeds:
+        for name in args.configs:
+            t0 = time.time()
+            out = run_one(name, model, args.work / f"{name}-s{seed}", seed, args.steps, args.threads)
+            results[name].append(measure(name, out, args.target))
+            console.print(f"seed {seed} {name:9s} done in {time.time() - t0:.0f} s")
+    table = Table(title=f"protocols: add, 1m model, {args.steps} steps x {len(args.seeds)} seeds")
+    cols = ("final_reward", "eval_after", "s_per_step", "time_to_target_s", "trainer_util")
+    cols += ("sampler_util", "t_generate_s", "t_train_s", "overlap_eff")
+    table.add_column("config")
+    for c in cols:
+        table.add_column(c.replace("_", " "))
+    summary = {}
+    base = statistics.mean(r["steps_per_s"] for r in results.get("colocated", [{"steps_per_s": 0}]))
+    for name, runs in results.items():
+        summary[name] = {c: [r[c] for r in runs] for c in (*cols, "steps_per_s", "eval_before")}
+        if base:
+            summary[name]["speedup_vs_colocated"] = statistics.mean(
+                r["steps_per_s"] for r in runs
+            ) / base
+        table.add_row(name, *(mean_std([r[c] for r in runs]) for c in cols))
+    console.print(table)
+    for name, s in summary.items():
+        if "speedup_vs_colocated" in s:
+            console.print(f"{name}: {s['speedup_vs_colocated']:.2f}x the co-located steps/s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "protocols.json").write_text(
+        json.dumps(
+            {
+                "machine": f"{platform.machine()} x{args.threads} cores",
+                "steps": args.steps,
+                "seeds": args.seeds,
+                "target_reward": args.target,
+                "summary": summary,
+                "curves": {n: [r["curve"] for r in runs] for n, runs in results.items()},
+            },
+            indent=1,
+        )
+    )
+    plot(results, args.out / "protocols.png")
+    console.print(f"wrote {args.out / 'protocols.json'} and {args.out / 'protocols.png'}")
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for (name, runs), color in zip(results.items(), ("black", "tab:blue", "tab:orange", "tab:green")):
+        for i, r in enumerate(runs):
+            wall, reward = zip(*r["curve"])
+            smooth = [sum(reward[max(0, j - 9) : j + 1]) / len(reward[max(0, j - 9) : j + 1]) for j in range(len(reward))]
+            ax.plot(wall, smooth, color=color, alpha=0.8, label=name if i == 0 else None)
+    ax.set_xlabel("wall-clock (s)")
+    ax.set_ylabel("train reward (10-step avg)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("co-located vs decoupled (sync, async) on 2 cores")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Faults in a running swarm: a sampler, the trainer and the broker killed with real signals.
+
+Each run must finish with every step trained on exactly B groups, no group consumed twice,
+and nothing acknowledged lost. The model is the random tiny one with long completions
+(48 tokens), so a sampler spends most of its time mid-generation.
+"""
+
+import os
+import signal
+from collections import Counter
+
+import pytest
+import torch
+
+from echorl.models import save_tiny_model
+from tests.integration.conftest import (
+    free_port,
+    query,
+    read_jsonl,
+    start_broker,
+    start_sampler,
+    start_trainer,
+    stop_broker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+B, G = 4, 4
+RUN = [
+    "-o",
+    "task.name=add",
+    "-o",
+    f"train.batch_prompts={B}",
+    "-o",
+    f"train.group_size={G}",
+    "-o",
+    "sampling.max_new_tokens=48",
+    "-o",
+    "train.drop_flat_groups=false",
+    "-o",
+    "train.eval_prompts=8",
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("faults") / "v0", "1m", seed=0)
+
+
+def steps_done(out):
+    return max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
+
+
+def finish(proc, timeout=300):
+    out = proc.communicate(timeout=timeout)[0]
+    assert proc.returncode == 0, out
+    return out
+
+
+def stop_all(samplers):
+    for s in samplers:
+        if s.poll() is None:
+            s.terminate()
+    return [s.communicate(timeout=60)[0] for s in samplers]
+
+
+def assert_each_step_consumed_once(data, steps, bound=0):
+    rows = query(data, "SELECT job_id, version, consumed_step FROM rollouts WHERE state='consumed'")
+    assert len(rows) == steps * B and len({j for j, _, _ in rows}) == steps * B
+    assert Counter(step for _, _, step in rows) == {s: B for s in range(steps)}
+    assert all(0 <= step - version <= bound for _, version, step in rows)
+
+
+def test_kill_9_a_sampler_mid_generation(tmp_path, model):
+    timeouts = ("-o", "broker.lease_seconds=3", "-o", "broker.sampler_timeout=3")
+    broker, url = start_broker(tmp_path / "b", free_port(), *RUN, *timeouts)
+    args = ("--jobs-per-lease", "1", *RUN)
+    samplers = [start_sampler(url, model, name, *args) for name in ("victim", "survivor")]
+    trainer = start_trainer(url, model, tmp_path / "t", "-o", "train.steps=6", *RUN)
+    try:
+        wait_until(lambda: steps_done(tmp_path / "t") >= 1, what="the first step")
+
+        def victim_is_generating():
+            return query(
+                tmp_path / "b",
+                "SELECT job_id FROM jobs JOIN samplers ON lease_owner = id "
+                "WHERE jobs.state = 'leased' AND name = 'victim'",
+            )
+
+        held = wait_until(victim_is_generating, poll=0.005, what="the victim to hold a job")
+        os.kill(samplers[0].pid, signal.SIGKILL)
+        finish(trainer)
+        victim = "SELECT state FROM samplers WHERE name = 'victim'"
+        wait_until(lambda: query(tmp_path / "b", victim) == [("lost",)], what="victim lost")
+    finally:
+        outs = stop_all(samplers)
+        stop_broker(broker)
+    assert samplers[0].returncode == -signal.SIGKILL and samplers[1].returncode == 0, outs
+    assert_each_step_consumed_once(tmp_path / "b", 6)
+    (job_id,) = held[0]
+    attempts, state = query(
+        tmp_path / "b", "SELECT attempts, state FROM jobs WHERE job_id = ?", job_id
+    )[0]
+    assert attempts >= 1 and state == "done"  # leased again after the deadline, then finished
+    assert query(tmp_path / "b", "SELECT sampler_id FROM rollouts WHERE job_id = ?", job_id)
+
+
+def test_kill_9_the_trainer_then_resume(tmp_path, model):
+    steps, out = 8, tmp_path / "t"
+    run = [*RUN, "-o", "broker.mode=async", "-o", "broker.max_staleness=1"]
+    broker, url = start_broker(tmp_path / "b", free_port(), *run)
+    samplers = [start_sampler(url, model, "s0", *run)]
+    common = ("-o", f"train.steps={steps}", "-o", "train.checkpoint_every=2", *run)
+    try:
+        first = start_trainer(url, model, out, *common)
+        wait_until(lambda: steps_done(out) >= 5, what="step 5")
+        os.kill(first.pid, signal.SIGKILL)  # after checkpoint 4, mid-way through later steps
+        first.wait()
+        resumed = start_trainer(url, model, out, *common, "--resume")
+        shown = finish(resumed)
+    finally:
+        stop_all(samplers)
+        stop_broker(broker)
+    assert "resumed at step 4" in shown or "resumed at step 6" in shown, shown
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if "reward/mean" in r] == list(range(1, steps + 1))
+    assert_each_step_consumed_once(tmp_path / "b", steps, bound=1)
+    state = torch.load(out / "checkpoints" / f"step_{steps:07d}" / "trainer_state.pt")
+    consumed = state["extra"]["consumed"]
+    assert len(consumed) == len(set(consumed)) == steps * B
+    rows = query(tmp_path / "b", "SELECT job_id FROM rollouts WHERE state = 'consumed'")
+    assert set(consumed) == {r[0] for r in rows}
+
+
+def test_restart_the_broker_mid_run(tmp_path, model):
+    data, port = tmp_path / "b", free_port()
+    broker, url = start_broker(data, port, *RUN)
+    samplers = [start_sampler(url, model, "s0", *RUN)]
+    trainer = start_trainer(url, model, tmp_path / "t", "-o", "train.steps=6", *RUN)
+    try:
+        wait_until(lambda: steps_done(tmp_path / "t") >= 2, what="step 2")
+        os.kill(broker.pid, signal.SIGKILL)
+        broker.wait()
+        broker, url = start_broker(data, port, *RUN)  # same data dir, same address
+        finish(trainer)
+    finally:
+        outs = stop_all(samplers)
+        stop_broker(broker)
+    assert samplers[0].returncode == 0, outs  # it waited for the broker and carried on
+    assert_each_step_consumed_once(data, 6)
