@@ -7,6 +7,8 @@ For each seed it warms one tiny model up, then runs the same number of trainer s
 on `add` with:
 
 - colocated:  one process, generate then train, all threads (`echorl train --colocated`);
+- colocated-1t: the same on one thread: only the trainer's core (Echo's baseline: the
+  training hardware doing both jobs);
 - sync:       broker + 1 sampler (1 thread) + trainer (1 thread), sequential pull;
 - async-1/2:  the same swarm, push-pull with max_staleness 1 and 2.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +44,7 @@ from echorl.metrics import read_metrics  # noqa: E402
 
 CONFIGS = {
     "colocated": [],
+    "colocated-1t": [],  # on one core: the trainer's hardware alone (Echo's baseline)
     "sync": ["broker.mode=sync"],
     "async-1": ["broker.mode=async", "broker.max_staleness=1"],
     "async-2": ["broker.mode=async", "broker.max_staleness=2"],
@@ -56,11 +60,12 @@ def echorl(*args: str) -> None:
 
 
 def run_one(name: str, model: Path, out: Path, seed: int, steps: int, threads: int) -> Path:
+    shutil.rmtree(out, ignore_errors=True)
     common = [f"train.seed={seed}", f"task.seed={seed}", f"train.steps={steps}"]
     common += ["train.eval_every=0", "train.checkpoint_every=0"]
-    if name == "colocated":
+    if name.startswith("colocated"):
         args = ["train", "--colocated", "--model", str(model), "--out", str(out)]
-        common.append(f"model.threads={threads}")
+        common.append(f"model.threads={1 if name == 'colocated-1t' else threads}")
     else:
         args = ["run", "--out", str(out)]
         common += [f"model.path={model}", "broker.port=0", *CONFIGS[name]]
@@ -82,7 +87,7 @@ def measure(name: str, out: Path, target: float) -> dict:
     records = read_metrics(out / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    if name == "colocated":
+    if name.startswith("colocated"):
         walls, acc = [], 0.0
         for r in train:
             acc += r["perf/total_s"]
@@ -134,7 +139,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("runs/bench_protocols"))
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=200)
     model = args.work / "sft"
     if not model.is_dir():
         console.print("warming the tiny model up on add (shared by every run)")
@@ -143,7 +148,9 @@ def main() -> None:
     for seed in args.seeds:
         for name in args.configs:
             t0 = time.time()
-            out = run_one(name, model, args.work / f"{name}-s{seed}", seed, args.steps, args.threads)
+            out = run_one(
+                name, model, args.work / f"{name}-s{seed}", seed, args.steps, args.threads
+            )
             results[name].append(measure(name, out, args.target))
             console.print(f"seed {seed} {name:9s} done in {time.time() - t0:.0f} s")
     table = Table(title=f"protocols: add, 1m model, {args.steps} steps x {len(args.seeds)} seeds")
@@ -157,9 +164,9 @@ def main() -> None:
     for name, runs in results.items():
         summary[name] = {c: [r[c] for r in runs] for c in (*cols, "steps_per_s", "eval_before")}
         if base:
-            summary[name]["speedup_vs_colocated"] = statistics.mean(
-                r["steps_per_s"] for r in runs
-            ) / base
+            summary[name]["speedup_vs_colocated"] = (
+                statistics.mean(r["steps_per_s"] for r in runs) / base
+            )
         table.add_row(name, *(mean_std([r[c] for r in runs]) for c in cols))
     console.print(table)
     for name, s in summary.items():
@@ -185,10 +192,15 @@ def main() -> None:
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for (name, runs), color in zip(results.items(), ("black", "tab:blue", "tab:orange", "tab:green")):
+    for (name, runs), color in zip(
+        results.items(), ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green")
+    ):
         for i, r in enumerate(runs):
             wall, reward = zip(*r["curve"])
-            smooth = [sum(reward[max(0, j - 9) : j + 1]) / len(reward[max(0, j - 9) : j + 1]) for j in range(len(reward))]
+            smooth = [
+                sum(reward[max(0, j - 9) : j + 1]) / len(reward[max(0, j - 9) : j + 1])
+                for j in range(len(reward))
+            ]
             ax.plot(wall, smooth, color=color, alpha=0.8, label=name if i == 0 else None)
     ax.set_xlabel("wall-clock (s)")
     ax.set_ylabel("train reward (10-step avg)")

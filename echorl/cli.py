@@ -359,8 +359,7 @@ def run(
     """The whole swarm on this machine: broker, samplers and trainer as separate processes,
     with a live view and a report at the end."""
     cfg = _config(config, override, **{"train.out_dir": out})
-    _quit = _run_swarm(cfg, resume)
-    raise typer.Exit(_quit)
+    raise typer.Exit(_run_swarm(cfg, resume))
 
 
 def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
@@ -368,6 +367,9 @@ def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
 
     _quiet_transformers()
     out = Path(cfg.train.out_dir)
+    if not resume and (out / "broker" / "broker.sqlite").exists():
+        console.print(f"[red]--out:[/red] {out} already holds a run: pass --resume, or another --out")
+        return 2
     model_dir = Path(cfg.model.path) if cfg.model.path else out / "sft"
     if cfg.model.path is None and not (resume and model_dir.is_dir()):
         if not cfg.launch.warm_up:

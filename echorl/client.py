@@ -31,8 +31,11 @@ from echorl.protocol import (
     LeaseRequest,
     PullReply,
     PullRequest,
+    PushManyReply,
+    PushManyRequest,
     PushReply,
     PushRequest,
+    PushResult,
     RegisterReply,
     RewindReply,
     RewindRequest,
@@ -72,6 +75,20 @@ class BrokerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self._args = (
+            (url, token),
+            {
+                "timeout": timeout,
+                "retries": retries,
+                "backoff": backoff,
+                "max_backoff": max_backoff,
+            },
+        )
+
+    def clone(self) -> BrokerClient:
+        """A new client with the same settings and its own connections (one per thread)."""
+        args, kwargs = self._args
+        return BrokerClient(*args, **kwargs)
 
     def close(self) -> None:
         self.http.close()
@@ -137,6 +154,11 @@ class BrokerClient:
         return self._post(
             "/v1/rollouts", PushRequest(sampler_id=sampler_id, group=group), PushReply
         )
+
+    def push_many(self, sampler_id: str, groups: list[RolloutGroup]) -> list[PushResult]:
+        """Push several groups in one request (one broker transaction); one result each."""
+        body = PushManyRequest(sampler_id=sampler_id, groups=groups)
+        return self._post("/v1/rollouts/batch", body, PushManyReply).results
 
     def latest(self) -> WeightVersion | None:
         try:

@@ -93,6 +93,12 @@ class LossConfig(_Section):
         le=10.0,
         description="weight of the k3 KL to the frozen initial policy; 0 = off",
     )
+    proximal: bool = Field(
+        True,
+        description="decoupled PPO: clip the ratio to the trainer's own pre-update policy and "
+        "correct for the sampler with the truncated IS weight (one extra forward pass); "
+        "false: clip the ratio to the sampler's behaviour log-probs directly",
+    )
 
 
 class OptimConfig(_Section):

@@ -188,6 +188,24 @@ class PushReply(_Wire):
     rewards: list[float]
 
 
+class PushManyRequest(_Wire):
+    """sampler -> broker: several groups in one request, stored in one transaction."""
+
+    sampler_id: str = Field(max_length=64)
+    groups: list[RolloutGroup] = Field(min_length=1, max_length=1024)
+
+
+class PushResult(_Wire):
+    job_id: int
+    stored: bool  # False: already stored, or refused
+    rewards: list[float] | None = None  # the broker's scores (None when refused)
+    refused: str | None = None  # why this group was refused; it changed nothing
+
+
+class PushManyReply(_Wire):
+    results: list[PushResult]
+
+
 class PullRequest(_Wire):
     n: int = Field(ge=1, le=65536)
     step: int = Field(ge=0, le=MAX_ID, description="the trainer's step; sync pulls version == step")

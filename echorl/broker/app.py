@@ -41,11 +41,15 @@ from echorl.protocol import (
     PulledGroup,
     PullReply,
     PullRequest,
+    PushManyReply,
+    PushManyRequest,
     PushReply,
     PushRequest,
+    PushResult,
     RegisterReply,
     RewindReply,
     RewindRequest,
+    RolloutGroup,
     SamplerInfo,
     WeightVersion,
 )
@@ -195,17 +199,44 @@ def create_app(cfg: RunConfig) -> FastAPI:
         # Read after the lease: at least the version its admission budget was computed with.
         return LeaseReply(jobs=jobs, latest_version=store.latest_version())
 
+    def rescore(group: RolloutGroup) -> list[float]:
+        """The broker's own rewards for a group: the sampler's claims are never trusted."""
+        problem = task.problem(store.job_seed(group.job_id))
+        return [
+            safe_score(task, problem, tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            for c in group.completions
+        ]
+
     @app.post("/v1/rollouts", dependencies=[sampler])
     def push(body: PushRequest) -> PushReply:
-        problem = task.problem(store.job_seed(body.group.job_id))
-        rewards = [
-            safe_score(task, problem, tokenizer.decode(c.token_ids, skip_special_tokens=True))
-            for c in body.group.completions
-        ]
+        rewards = rescore(body.group)
         stored = store.push(body.sampler_id, body.group, rewards, time.time())
         if stored:
             pushed.inc()
         return PushReply(stored=stored, rewards=rewards)
+
+    @app.post("/v1/rollouts/batch", dependencies=[sampler])
+    def push_many(body: PushManyRequest) -> PushManyReply:
+        """Many groups, one transaction; each is accepted or refused on its own."""
+        scored, results = [], {}
+        for group in body.groups:
+            try:
+                scored.append((group, rescore(group)))
+            except ProtocolError as e:  # an unknown job
+                results[group.job_id] = PushResult(
+                    job_id=group.job_id, stored=False, refused=str(e)
+                )
+        outcome = store.push_many(body.sampler_id, scored, time.time())
+        for (group, rewards), ok in zip(scored, outcome):
+            refused = ok if isinstance(ok, str) else None
+            results[group.job_id] = PushResult(
+                job_id=group.job_id,
+                stored=ok is True,
+                rewards=None if refused else rewards,
+                refused=refused,
+            )
+        pushed.inc(sum(r.stored for r in results.values()))
+        return PushManyReply(results=[results[g.job_id] for g in body.groups])
 
     @app.post("/v1/batches/pull", dependencies=[trainer])
     def pull(body: PullRequest) -> PullReply:

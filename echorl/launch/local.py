@@ -180,6 +180,7 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
             live.update(live_table(swarm, cfg))
             time.sleep(0.5)
         live.update(live_table(swarm, cfg))
+    console.print()
     code = swarm.trainer.returncode
     if code:
         console.print(

@@ -92,13 +92,15 @@ class Sampler:
             version=self.version,
         )
         gen_s = time.perf_counter() - t0
-        for job, group in zip(jobs, groups):
-            try:
-                self.client.push(sampler_id, to_wire(group, job.job_id, gen_s / len(jobs)))
-                self.pushed += 1
-            except BrokerRejected as e:  # the lease ran out, or a resumed trainer took it back
+        wire = [to_wire(g, job.job_id, gen_s / len(jobs)) for job, g in zip(jobs, groups)]
+        for result in self.client.push_many(sampler_id, wire):
+            if result.refused:  # the lease ran out, or a resumed trainer took the job back
                 self.rejected += 1
-                log.warning("%s: group for job %d refused: %s", self.name, job.job_id, e.reason)
+                log.warning(
+                    "%s: group for job %d refused: %s", self.name, result.job_id, result.refused
+                )
+            else:
+                self.pushed += 1
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         self.client.heartbeat(sampler_id, self.version, tokens / gen_s)
         if self.metrics:

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -43,22 +44,44 @@ from echorl.trainer.evaluate import evaluate
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
-def publish(client: BrokerClient, model: PreTrainedModel, version: int, folder: Path) -> float:
-    """Upload the model's weights as `version`; returns the seconds it took."""
-    t0 = time.perf_counter()
-    path = folder / f"v{version}.safetensors"
-    save_file(
-        {k: t.detach().contiguous() for k, t in model.state_dict().items()},
-        path,
-        metadata={"format": "pt"},
-    )
-    client.publish(version, path)
-    path.unlink()
-    return time.perf_counter() - t0
+class Publisher:
+    """Uploads weight versions on a background thread, one at a time and in order, so the
+    trainer can pull its next batch while the last version is still on the wire (async).
+    It has its own HTTP client: requests never interleave with the trainer's."""
+
+    def __init__(self, client: BrokerClient, folder: Path):
+        self.client, self.folder = client, folder
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self.pending: Future | None = None
+        self.last_s = 0.0  # seconds the last finished upload took
+
+    def submit(self, model: PreTrainedModel, version: int) -> None:
+        self.wait()
+        state = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        self.pending = self.pool.submit(self._publish, state, version)
+
+    def _publish(self, state: dict, version: int) -> float:
+        t0 = time.perf_counter()
+        path = self.folder / f"v{version}.safetensors"
+        save_file(state, path, metadata={"format": "pt"})
+        self.client.publish(version, path)
+        path.unlink()
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the last submitted version is stored at the broker (errors surface here)."""
+        if self.pending is not None:
+            self.last_s = self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        self.wait()
+        self.pool.shutdown()
+        self.client.close()
 
 
 def collect(
-    client: BrokerClient, n: int, step: int, stop: threading.Event, poll: float = 0.05
+    client: BrokerClient, n: int, step: int, stop: threading.Event, poll: float = 0.02
 ) -> tuple[list[PulledGroup] | None, dict]:
     """Pull until `n` groups are in hand, sorted by job id (so the batch does not depend on
     arrival order); None if `stop` was set first. Also returns the idle time and stale drops."""
@@ -119,7 +142,7 @@ class DecoupledTrainer:
         self.task = get_task(cfg.task.name)
         self.step = 0
         self.consumed: list[int] = []
-        self.tmp = Path(tempfile.mkdtemp(prefix="echorl-publish-"))
+        self.publisher = Publisher(client.clone(), Path(tempfile.mkdtemp(prefix="echorl-")))
 
     def start(self, resume: bool) -> None:
         """Load the policy (or the last checkpoint), and bring the broker to the same point."""
@@ -143,7 +166,7 @@ class DecoupledTrainer:
                 f"{reply.regenerated} to regenerate"
             )
             if reply.latest_version == self.step - 1:
-                publish(self.client, self.model, self.step, self.tmp)
+                self.publisher.submit(self.model, self.step)
         else:
             if self.client.latest() is not None:
                 raise BrokerRejected(
@@ -151,7 +174,8 @@ class DecoupledTrainer:
                     "the broker already holds weight versions: pass --resume to continue that "
                     "run, or start the broker on a fresh data dir",
                 )
-            publish(self.client, self.model, 0, self.tmp)
+            self.publisher.submit(self.model, 0)
+        self.publisher.wait()
         if self.step == 0:
             self.log.write({"step": 0, **self.evaluate()})
 
@@ -179,7 +203,9 @@ class DecoupledTrainer:
         ids = [p.group.job_id for p in pulled]
         self.client.ack(ids, step)
         self.consumed += ids
-        publish_s = publish(self.client, self.model, step + 1, self.tmp)
+        self.publisher.submit(self.model, step + 1)
+        if cfg.broker.mode == "sync":  # the next batch needs these weights: nothing to overlap
+            self.publisher.wait()
         self.step = step + 1
         return {
             "step": self.step,
@@ -189,11 +215,13 @@ class DecoupledTrainer:
             **metrics,
             **wait,
             "trainer/step_s": train_s,
-            "perf/publish_s": publish_s,
+            "perf/publish_s": self.publisher.last_s,  # the last upload that finished
             **swarm_metrics(self.client),
         }
 
     def checkpoint(self) -> None:
+        # v_step is at the broker before checkpoint `step` exists: a resume relies on it.
+        self.publisher.wait()
         save_checkpoint(
             self.out / "checkpoints",
             self.step,
@@ -226,6 +254,7 @@ class DecoupledTrainer:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.checkpoint()
         self.checkpoint()
+        self.publisher.close()
         self.log.close()
         if self.step == cfg.steps:
             self.model.save_pretrained(self.out / "policy")

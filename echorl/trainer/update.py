@@ -64,7 +64,13 @@ def train_on_batch(
     """PPO epochs over `batch`; returns metrics averaged over the optimiser steps."""
     temperature = cfg.sampling.temperature or 1.0
     with torch.no_grad():
-        old_logp, _ = token_logprobs(model, batch, temperature)
+        # Without a proximal policy the behaviour log-probs are the old policy: ratio to the
+        # sampler, IS weight exp(0) = 1, and one forward pass saved.
+        old_logp = (
+            token_logprobs(model, batch, temperature)[0]
+            if cfg.loss.proximal
+            else batch.behaviour_logp
+        )
         ref_logp = (
             token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
         )
@@ -103,8 +109,9 @@ def train_on_batch(
     out = {k: v / steps for k, v in sums.items()}
     out["optim/lr"] = scheduler.get_last_lr()[0]
     mask = batch.loss_mask.bool()
-    # KL(behaviour || trainer) before the update: how far the sampler's policy was from ours.
-    out["rollout/kl_behaviour_old"] = (batch.behaviour_logp - old_logp)[mask].mean().item()
+    if cfg.loss.proximal:
+        # KL(behaviour || trainer) before the update: how far the sampler's policy was from ours.
+        out["rollout/kl_behaviour_old"] = (batch.behaviour_logp - old_logp)[mask].mean().item()
     return out
 
 

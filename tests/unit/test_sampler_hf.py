@@ -86,3 +86,32 @@ def test_real_rollouts_satisfy_the_wire_protocol(tiny):
         wire.check_against(vocab_size=len(tok), group_size=4, latest_version=0)
         assert wire.claimed_rewards == g.rewards
         assert wire.tokens == sum(len(c.token_ids) for c in g.completions)
+
+
+def test_proximal_policy_or_behaviour_as_the_old_policy(tiny):
+    """Decoupled PPO (proximal) vs clipping to the sampler's log-probs, on a sampler whose
+    log-probs are 0.5 nats below the trainer's on every token."""
+    from echorl.config import RunConfig
+    from echorl.trainer.update import build_optimizer, build_scheduler, train_on_batch
+
+    model, _ = tiny
+    groups = sample(tiny, SamplingConfig(temperature=1.0))
+    batch, logp = trainer_logprobs(tiny, groups)
+    batch.behaviour_logp = (logp - 0.5) * batch.loss_mask
+    batch.advantages = torch.tensor([1.0, -1.0] * (len(batch) // 2))
+    metrics = {}
+    for proximal in (True, False):
+        cfg = RunConfig.model_validate({"loss": {"proximal": proximal, "is_cap": 2.0}})
+        m = model.__class__(model.config)
+        m.load_state_dict(model.state_dict())
+        opt = build_optimizer(m, cfg.optim)
+        metrics[proximal] = train_on_batch(m, opt, build_scheduler(opt, cfg.optim), batch, cfg)
+    on, off = metrics[True], metrics[False]
+    # Proximal: ratio 1 at the first step (no clipping), IS weight min(e^0.5, 2) = 1.6487.
+    assert on["loss/clip_frac"] == 0.0
+    assert abs(on["loss/is_weight_mean"] - 1.6487) < 1e-3
+    assert abs(on["rollout/kl_behaviour_old"] + 0.5) < 1e-4
+    # Behaviour as the old policy: ratio e^0.5 = 1.65 > 1.28, clipped wherever A > 0; weight 1.
+    assert abs(off["loss/is_weight_mean"] - 1.0) < 1e-6
+    assert abs(off["loss/clip_frac"] - 0.5) < 0.1
+    assert "rollout/kl_behaviour_old" not in off
