@@ -265,6 +265,7 @@ def sampler(
         None, help="local HF folder with the policy's architecture and tokenizer (model.path)"
     ),
     name: str = typer.Option(None, help="sampler name (default: sampler-PID)"),
+    backend: str = typer.Option(None, help="generation engine (sampler.backend): hf"),
     device: str = typer.Option(None, help="cpu, cuda, mps (sampler.device)"),
     threads: int = typer.Option(None, min=1, help="torch threads (sampler.threads)"),
     jobs_per_lease: int = typer.Option(None, min=1, help="sampler.jobs_per_lease"),
@@ -280,6 +281,7 @@ def sampler(
         override,
         **{
             "model.path": model,
+            "sampler.backend": backend,
             "sampler.device": device,
             "sampler.threads": threads,
             "sampler.jobs_per_lease": jobs_per_lease,
@@ -368,7 +370,9 @@ def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
     _quiet_transformers()
     out = Path(cfg.train.out_dir)
     if not resume and (out / "broker" / "broker.sqlite").exists():
-        console.print(f"[red]--out:[/red] {out} already holds a run: pass --resume, or another --out")
+        console.print(
+            f"[red]--out:[/red] {out} already holds a run: pass --resume, or another --out"
+        )
         return 2
     model_dir = Path(cfg.model.path) if cfg.model.path else out / "sft"
     if cfg.model.path is None and not (resume and model_dir.is_dir()):

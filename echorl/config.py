@@ -224,6 +224,9 @@ class BrokerConfig(_Section):
 class SamplerConfig(_Section):
     """A sampler process (`echorl sampler`, or each one `echorl run` starts)."""
 
+    backend: Literal["hf"] = Field(
+        "hf", description="generation engine: hf (transformers, CPU/CUDA/MPS)"
+    )
     jobs_per_lease: int = Field(
         16, ge=1, le=1024, description="jobs leased, and generated as one batch, at a time"
     )

@@ -121,7 +121,7 @@ class Sampler:
 
     def run(self, stop: threading.Event) -> None:
         sampler_id = self.client.register(
-            SamplerInfo(name=self.name, hardware=_hardware(), backend="hf")
+            SamplerInfo(name=self.name, hardware=_hardware(), backend=self.cfg.sampler.backend)
         )
         log.info("%s registered as %s", self.name, sampler_id)
         while not stop.is_set():

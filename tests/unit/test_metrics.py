@@ -1,6 +1,5 @@
 """Metrics files: JSONL rewritten on resume, TensorBoard event files, the run's PNG report."""
 
-
 from echorl.metrics import MetricsLog, plot_run, read_metrics
 
 
