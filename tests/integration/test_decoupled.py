@@ -103,3 +103,50 @@ def test_async_with_staleness_zero_reproduces_sync(tmp_path, warm_add):
         assert a["reward/mean"] == b["reward/mean"]
         assert a["loss/policy"] == pytest.approx(b["loss/policy"], abs=1e-6)
         assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-5)
+
+
+def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, warm_add):
+    """SIGINT to `echorl run`: the trainer checkpoints, every child exits, nothing is left
+    listening; `echorl run --resume` then finishes with each step trained on B groups once."""
+    import os
+    import signal
+    import socket
+
+    from tests.integration.conftest import wait_until
+
+    out, steps = tmp_path / "run", 30
+    args = [sys.executable, "-m", "echorl.cli", "run", "--out", str(out)]
+    for o in (
+        f"model.path={warm_add}",
+        "broker.port=0",
+        "broker.mode=async",
+        f"train.steps={steps}",
+        "train.batch_prompts=4",
+        "train.checkpoint_every=0",  # only the one SIGTERM writes
+        "train.eval_prompts=20",
+    ):
+        args += ["-o", o]
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_until(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 6, what="step 5")
+    run.send_signal(signal.SIGINT)
+    shown = run.communicate(timeout=120)[0]
+    assert run.returncode == 130, shown
+    assert "interrupted" in shown
+    logs = {p.stem: p.read_text() for p in (out / "logs").glob("*.log")}
+    assert "stopped after" in logs["sampler-0"]  # it handed back its leases and exited
+    done = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
+    assert 5 <= done < steps
+    assert (out / "checkpoints" / "LATEST").read_text() == f"step_{done:07d}"
+    port = int((out / "config.yaml").read_text().split("port: ")[1].split()[0])
+    with socket.socket() as s:  # the broker is gone
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert [line for line in ps.splitlines() if "echorl.cli" in line and str(out) in line] == []
+    resumed = subprocess.run(
+        [*args, "--resume"], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    consumed = query(out / "broker", "SELECT consumed_step FROM rollouts WHERE state = 'consumed'")
+    assert Counter(s for (s,) in consumed) == {s: 4 for s in range(steps)}
