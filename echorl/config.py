@@ -41,16 +41,22 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = Field("add", description="a key of echorl.tasks.TASKS")
+    name: str = Field(
+        "add",
+        description="a key of echorl.tasks.TASKS, jsonl:PATH (math problems from a file, which "
+        "must exist on the broker and sampler machines) or rg:DATASET (reasoning-gym)",
+    )
     seed: int = Field(0, ge=0, description="seed of the prompt stream")
 
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        from echorl.tasks import TASKS
+        from echorl.tasks import get_task
 
-        if name not in TASKS:
-            raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+        try:
+            get_task(name)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
         return name
 
 
