@@ -28,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from echorl.broker.scoring import score_group
 from echorl.broker.store import Admission, BrokerStore
 from echorl.config import RunConfig
 from echorl.models.tokenizer import byte_tokenizer
@@ -54,7 +55,6 @@ from echorl.protocol import (
     WeightVersion,
 )
 from echorl.tasks import get_task
-from echorl.tasks.base import safe_score
 
 log = logging.getLogger("echorl.broker")
 
@@ -199,13 +199,16 @@ def create_app(cfg: RunConfig) -> FastAPI:
         # Read after the lease: at least the version its admission budget was computed with.
         return LeaseReply(jobs=jobs, latest_version=store.latest_version())
 
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
     def rescore(group: RolloutGroup) -> list[float]:
         """The broker's own rewards for a group: the sampler's claims are never trusted."""
-        problem = task.problem(store.job_seed(group.job_id))
-        return [
-            safe_score(task, problem, tokenizer.decode(c.token_ids, skip_special_tokens=True))
-            for c in group.completions
-        ]
+        seed = store.job_seed(group.job_id)
+        return score_group(task, seed, group.completions, encode, decode)
 
     @app.post("/v1/rollouts", dependencies=[sampler])
     def push(body: PushRequest) -> PushReply:

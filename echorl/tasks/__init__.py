@@ -9,13 +9,21 @@ from functools import lru_cache
 from pathlib import Path
 
 from echorl.tasks.arithmetic import Arithmetic
-from echorl.tasks.base import Problem, Task, is_heldout, problem_stream, take
+from echorl.tasks.base import (
+    Environment,
+    Problem,
+    Task,
+    is_environment,
+    is_heldout,
+    problem_stream,
+    take,
+)
 from echorl.tasks.countdown import Countdown
 from echorl.tasks.gym import ReasoningGym
 from echorl.tasks.knights import KnightsKnaves
 from echorl.tasks.math import MathJSONL, WordProblems
 from echorl.tasks.reverse import Reverse
-from echorl.tasks.sokoban import SokobanPlan
+from echorl.tasks.sokoban import Sokoban, SokobanPlan
 
 # Rising difficulty for a tiny model.
 TASKS: dict[str, Task] = {
@@ -28,14 +36,20 @@ TASKS: dict[str, Task] = {
     "sokoban_plan": SokobanPlan(),  # 5x5, one box, the whole plan in one answer
     "math_word": WordProblems(),  # multi-step arithmetic word problems, math-verify scored
 }
+# Multi-turn environments: the sampler plays them turn by turn, the broker replays them.
+ENVIRONMENTS: dict[str, Environment] = {
+    "sokoban": Sokoban(),  # 5x5, one box, one action per turn
+}
 
 
 @lru_cache(maxsize=64)
-def get_task(name: str) -> Task:
+def get_task(name: str) -> Task | Environment:
     """A built-in task by name, `jsonl:PATH` (math problems from a file) or `rg:DATASET`
     (a reasoning-gym dataset). Raises KeyError/ValueError naming what is wrong."""
     if name in TASKS:
         return TASKS[name]
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
     if name.startswith("jsonl:"):
         task = MathJSONL(name.removeprefix("jsonl:"))
         if not Path(task.path).is_file():
@@ -56,8 +70,20 @@ def get_task(name: str) -> Task:
             ) from None
         return task
     raise KeyError(
-        f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}, or jsonl:PATH, rg:DATASET"
+        f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}, environments "
+        f"{sorted(ENVIRONMENTS)}, or jsonl:PATH, rg:DATASET"
     )
 
 
-__all__ = ["TASKS", "Problem", "Task", "get_task", "is_heldout", "problem_stream", "take"]
+__all__ = [
+    "ENVIRONMENTS",
+    "TASKS",
+    "Environment",
+    "Problem",
+    "Task",
+    "get_task",
+    "is_environment",
+    "is_heldout",
+    "problem_stream",
+    "take",
+]

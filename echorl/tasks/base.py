@@ -53,6 +53,40 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class Environment(Protocol):
+    """A multi-turn task: the model acts, the environment answers, within one token sequence.
+
+    The transcript is `problem(seed).prompt`, then turns of model text (ending at a newline,
+    its stop token) each followed by the environment's observation text, until `done` or
+    `max_turns`. An episode is a pure function of the seed and the action texts, so anyone
+    can `replay` it: that is how the broker re-scores without trusting the sampler."""
+
+    name: str
+    max_turns: int
+    max_action_tokens: int  # per model turn
+
+    def problem(self, seed: int) -> Problem:
+        """The first observation as the prompt; `answer` is a reference solution."""
+        ...
+
+    def episode(self, seed: int):
+        """A fresh game: `.step(action_text) -> (observation, reward, done, info)`."""
+        ...
+
+    def replay(self, seed: int, actions: list[str]) -> tuple[list[float], list[str], bool]:
+        """Per-turn rewards, the observation after each turn, and success, for these actions."""
+        ...
+
+    def demonstration_turns(self, problem: Problem) -> list[tuple[str, str]]:
+        """A good episode for the warm-up: (action text incl. its newline, observation) turns."""
+        ...
+
+
+def is_environment(task: object) -> bool:
+    return isinstance(task, Environment)
+
+
 def is_heldout(problem: Problem) -> bool:
     return zlib.crc32(problem.prompt.encode()) % HELDOUT_BUCKETS == 0
 

@@ -169,7 +169,7 @@ class Episode:
 
     @property
     def observation(self) -> str:
-        return self.level.render()
+        return self.level.render() + "\n>"
 
     def step(self, text: str) -> tuple[str, float, bool, dict]:
         assert self.turns < self.max_turns and not self.level.solved, "the episode is over"
@@ -191,36 +191,50 @@ class Episode:
 
 @dataclass(frozen=True)
 class Sokoban:
-    """The multi-turn environment: the board is the observation, one action per turn."""
+    """The multi-turn environment (an `Environment`): the board then `>` is the observation,
+    the model answers one action and a newline per turn."""
 
     name: str = "sokoban"
     size: int = 5
     boxes: int = 1
-    max_turns: int = 12
+    max_turns: int = 10  # 10 turns of a 5x5 board fit the tiny model's 512 positions
     max_action_tokens: int = 8
     rewards: Rewards = Rewards()
 
     def level(self, seed: int) -> Level:
         return generate(seed, self.size, self.boxes)
 
+    def problem(self, seed: int) -> Problem:
+        plan = solve(self.level(seed)) or ""
+        return Problem(
+            self.name, seed, self.episode(seed).observation, plan.upper(), {"seed": seed}
+        )
+
     def episode(self, seed: int) -> Episode:
         return Episode(self.level(seed), self.max_turns, self.rewards)
 
-    def replay(self, seed: int, actions: list[str]) -> tuple[list[float], bool]:
-        """Per-turn rewards and success of the recorded action texts, in a fresh copy of the
-        environment: how the broker re-scores an episode without trusting the sampler."""
-        ep, rewards = self.episode(seed), []
+    def replay(self, seed: int, actions: list[str]) -> tuple[list[float], list[str], bool]:
+        """Per-turn rewards, observations and success of the recorded action texts, in a fresh
+        copy of the environment: how the broker re-scores an episode without trusting the
+        sampler. Actions after the episode ended are ignored."""
+        ep, rewards, observations = self.episode(seed), [], []
         for text in actions[: self.max_turns]:
-            _, reward, done, info = ep.step(text)
+            obs, reward, done, _ = ep.step(text)
             rewards.append(reward)
+            observations.append(obs)
             if done:
                 break
-        return rewards, ep.level.solved
+        return rewards, observations, ep.level.solved
 
     def demonstration(self, seed: int) -> list[str]:
         """A shortest solution, one action word per turn."""
         plan = solve(self.level(seed)) or ""
         return [next(w for w, a in WORDS.items() if a == letter) for letter in plan]
+
+    def demonstration_turns(self, problem: Problem) -> list[tuple[str, str]]:
+        actions = [a + "\n" for a in self.demonstration(problem.seed)][: self.max_turns]
+        _, observations, _ = self.replay(problem.seed, actions)
+        return list(zip(actions, observations))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Sequences are laid out right-padded as prompt + completion. Log-prob tensors
 are aligned with the *targets*: column t holds the log-prob of token t + 1
-given tokens 0..t, so they are one column shorter than `input_ids`.
+given tokens 0..t, so they are one column shorter than `input_ids`. In a
+multi-turn episode the environment's tokens are part of the completion but
+carry no loss (`Sequence.mask`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Sequence:
     completion_ids: list[int]
     behaviour_logprobs: list[float]  # one per completion token
     advantage: float
+    mask: list[int] | None = None  # 1 = model token, 0 = environment token (no loss); None = all 1
 
 
 @dataclass
@@ -75,8 +78,10 @@ def collate(seqs: list[Sequence], pad_id: int) -> Batch:
         input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
         attention[i, : p + c] = 1
         # Completion token k sits at position p + k; its log-prob is in target column p + k - 1.
-        loss_mask[i, p - 1 : p - 1 + c] = 1.0
-        behaviour[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs)
+        mask = torch.ones(c) if s.mask is None else torch.tensor(s.mask, dtype=torch.float32)
+        assert mask.numel() == c, f"row {i}: {c} completion tokens but a mask of {mask.numel()}"
+        loss_mask[i, p - 1 : p - 1 + c] = mask
+        behaviour[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs) * mask
     advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
     return Batch(input_ids, attention, loss_mask, behaviour, advantages)
 

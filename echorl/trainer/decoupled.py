@@ -103,7 +103,16 @@ def to_groups(pulled: list[PulledGroup], task_name: str) -> list[Group]:
     return [
         Group(
             Problem(task_name, 0, p.prompt, ""),
-            [Completion(c.token_ids, c.logprobs, "", c.finished) for c in p.group.completions],
+            [
+                Completion(
+                    c.token_ids,
+                    c.logprobs,
+                    "",
+                    c.finished,
+                    None if c.turns is None else [(t.start, t.end, t.version) for t in c.turns],
+                )
+                for c in p.group.completions
+            ],
             p.rewards,
             p.group.version,
         )

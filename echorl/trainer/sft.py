@@ -13,22 +13,45 @@ from rich.progress import Progress
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import SFTConfig
-from echorl.tasks import Task, problem_stream
+from echorl.tasks import Environment, Task, is_environment, problem_stream
 from echorl.trainer.batch import Sequence, collate, token_logprobs
 
 
-def demonstration_batches(task: Task, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig):
-    """Endless batches of prompt + demonstration + eos, loss on the answer and the eos."""
+def demonstration_batches(
+    task: Task | Environment, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig
+):
+    """Endless batches of prompt + demonstration + eos, loss on the answer and the eos; for an
+    environment, prompt + demonstrated turns, loss on the actions only."""
     stream = problem_stream(task, cfg.seed, split="train")
     eos = tokenizer.eos_token_id
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     while True:
         problems = [next(stream) for _ in range(cfg.batch_size)]
-        prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-        answers = tokenizer([task.demonstration(p) for p in problems], add_special_tokens=False)[
-            "input_ids"
-        ]
-        seqs = [Sequence(p, a + [eos], [0.0] * (len(a) + 1), 0.0) for p, a in zip(prompts, answers)]
+        seqs = []
+        for p in problems:
+            if is_environment(task):
+                ids, mask = transcript(task.demonstration_turns(p), encode)
+            else:
+                ids = encode(task.demonstration(p)) + [eos]
+                mask = None
+            seqs.append(Sequence(encode(p.prompt), ids, [0.0] * len(ids), 0.0, mask))
         yield collate(seqs, tokenizer.pad_token_id)
+
+
+def transcript(turns: list[tuple[str, str]], encode) -> tuple[list[int], list[int]]:
+    """Token ids of (action, observation) turns, and the mask that trains on actions only;
+    the observation after the last action is left out, as the sampler leaves it out."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, (action, observation) in enumerate(turns):
+        a = encode(action)
+        ids += a
+        mask += [1] * len(a)
+        if k < len(turns) - 1:
+            o = encode(observation)
+            ids += o
+            mask += [0] * len(o)
+    return ids, mask
 
 
 def warm_up(

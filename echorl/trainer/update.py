@@ -45,7 +45,7 @@ def groups_to_batch(
         "input_ids"
     ]
     seqs = [
-        Sequence(prompt_ids[i], c.token_ids, c.logprobs, advantages[i, j].item())
+        Sequence(prompt_ids[i], c.token_ids, c.logprobs, advantages[i, j].item(), c.mask)
         for i, g in enumerate(groups)
         for j, c in enumerate(g.completions)
     ]

@@ -120,10 +120,12 @@ def test_episode_reward_accounting():
 def test_replay_rescores_from_the_seed_alone():
     env = Sokoban()
     demo = env.demonstration(3)
-    rewards, solved = env.replay(3, demo)
+    rewards, _, solved = env.replay(3, demo)
     assert solved and len(rewards) == len(demo)
     assert sum(rewards) == pytest.approx(len(demo) * -0.01 + 0.1 + 1.0)
-    assert env.replay(3, ["nonsense"] * 50) == ([-0.01] * env.max_turns, False)
+    rewards, observations, solved = env.replay(3, ["nonsense"] * 50)
+    assert (rewards, solved) == ([-0.01] * env.max_turns, False)
+    assert observations == [env.problem(3).prompt] * env.max_turns  # nothing moved
 
 
 def test_single_turn_plan_task():
