@@ -83,7 +83,7 @@ def warm_up_to(cfg: RunConfig, model_dir: Path | None, out: Path) -> Path:
     else:
         model, tokenizer = build_tiny_model(cfg.model.preset, cfg.model.init_seed)
     with Progress(console=console) as progress:
-        losses = warm_up(model, tokenizer, get_task(cfg.task.name), cfg.sft, progress)
+        losses = warm_up(model, tokenizer, get_task(cfg.task.name), cfg.sft, progress, cfg.sampling)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if losses:

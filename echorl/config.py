@@ -47,6 +47,13 @@ class TaskConfig(_Section):
         "must exist on the broker and sampler machines) or rg:DATASET (reasoning-gym)",
     )
     seed: int = Field(0, ge=0, description="seed of the prompt stream")
+    format_reward: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="added to the verifier's reward when the answer is inside <answer>...</answer>; "
+        "kept apart from correctness (accuracy counts the verifier alone)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -65,6 +72,14 @@ class SamplingConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
     max_new_tokens: int | None = Field(
         None, ge=1, le=32768, description="unset = the task's own bound"
+    )
+    prompt_format: Literal["plain", "chat"] = Field(
+        "plain",
+        description="plain: the task's text as is (the tiny model); chat: wrapped in the "
+        "tokenizer's chat template as a user turn (real instruction-tuned checkpoints)",
+    )
+    system_prompt: str | None = Field(
+        None, max_length=10_000, description="chat format: an optional system turn"
     )
 
 

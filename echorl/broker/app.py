@@ -208,7 +208,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
     def rescore(group: RolloutGroup) -> list[float]:
         """The broker's own rewards for a group: the sampler's claims are never trusted."""
         seed = store.job_seed(group.job_id)
-        return score_group(task, seed, group.completions, encode, decode)
+        return score_group(task, seed, group.completions, encode, decode, cfg.task.format_reward)
 
     @app.post("/v1/rollouts", dependencies=[sampler])
     def push(body: PushRequest) -> PushReply:

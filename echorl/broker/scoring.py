@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from echorl.protocol import Completion, ProtocolError
 from echorl.tasks import Environment, Task, is_environment
-from echorl.tasks.base import safe_score
+from echorl.tasks.base import reward
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]
@@ -25,11 +25,12 @@ def score_group(
     completions: list[Completion],
     encode: Encode,
     decode: Decode,
+    format_reward: float = 0.0,
 ) -> list[float]:
     if is_environment(task):
         return [replay_episode(task, seed, c, encode, decode, k) for k, c in enumerate(completions)]
     problem = task.problem(seed)
-    return [safe_score(task, problem, decode(c.token_ids)) for c in completions]
+    return [reward(task, problem, decode(c.token_ids), format_reward) for c in completions]
 
 
 def replay_episode(

@@ -90,6 +90,7 @@ class Sampler:
             # One seed per lease: the same jobs leased the same way give the same tokens.
             seed=derive_seed(self.cfg.train.seed, "lease", *[j.job_id for j in jobs]),
             version=self.version,
+            format_reward=self.cfg.task.format_reward,
         )
         gen_s = time.perf_counter() - t0
         wire = [to_wire(g, job.job_id, gen_s / len(jobs)) for job, g in zip(jobs, groups)]

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from echorl.config import SamplingConfig
+from echorl.models.prompts import encode_prompts
 from echorl.protocol import Completion as WireCompletion
 from echorl.protocol import RolloutGroup, Turn
 from echorl.sampler.backends.hf import Completion, HFBackend
 from echorl.seeding import derive_seed
 from echorl.tasks import Environment, Problem, Task, is_environment
-from echorl.tasks.base import safe_score
+from echorl.tasks.base import reward
 
 
 @dataclass
@@ -36,13 +37,14 @@ def rollout(
     params: SamplingConfig,
     seed: int,
     version: int = 0,
+    format_reward: float = 0.0,
 ) -> list[Group]:
     if is_environment(task):
         return play(backend, task, problems, group_size, params, seed, version)
     max_new = params.max_new_tokens or task.max_new_tokens
     outs = backend.generate([p.prompt for p in problems], group_size, params, max_new, seed)
     return [
-        Group(p, comps, [safe_score(task, p, c.text) for c in comps], version)
+        Group(p, comps, [reward(task, p, c.text, format_reward) for c in comps], version)
         for p, comps in zip(problems, outs)
     ]
 
@@ -64,7 +66,7 @@ def play(
     tok = backend.tokenizer
     newline = tok("\n", add_special_tokens=False)["input_ids"][-1]
     limit = getattr(backend.model.config, "max_position_embeddings", 1 << 30)
-    prompts = tok([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    prompts = encode_prompts(tok, [p.prompt for p in problems], params)
     owner = [i for i in range(len(problems)) for _ in range(group_size)]
     games = [env.episode(problems[i].seed) for i in owner]
     ids: list[list[int]] = [[] for _ in games]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,6 +110,16 @@ def take(task: Task, n: int, seed: int, split: Split = "train") -> list[Problem]
 def first_line(completion: str) -> str:
     """The answer part of a completion: text before the first newline, stripped."""
     return completion.split("\n", 1)[0].strip()
+
+
+_TAGGED = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+
+
+def reward(task: Task, problem: Problem, text: str, format_reward: float = 0.0) -> float:
+    """The verifier's reward, plus `format_reward` when the answer sits in <answer> tags.
+    The two stay apart: only the first says whether the answer is right."""
+    bonus = format_reward if format_reward and _TAGGED.search(text) else 0.0
+    return safe_score(task, problem, text) + bonus
 
 
 def safe_score(task: Task, problem: Problem, text: str) -> float:

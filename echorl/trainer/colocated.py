@@ -68,6 +68,7 @@ def rl_step(
         cfg.sampling,
         seed=derive_seed(cfg.train.seed, "sample", step),
         version=step,
+        format_reward=cfg.task.format_reward,
     )
     t1 = time.perf_counter()
     metrics = update_policy(
@@ -114,7 +115,7 @@ def run_colocated(
     log = MetricsLog(out / "metrics.jsonl", keep_through_step=start)
     before = None
     if start == 0:
-        before = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
+        before = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed, cfg.sampling)
         log.write({"step": 0, "eval/accuracy": before.accuracy, "eval/reward": before.reward})
         console.print(f"held-out greedy accuracy before RL: {before.accuracy:.3f} (n={before.n})")
     with _progress(console) as progress:
@@ -123,7 +124,7 @@ def run_colocated(
             record = rl_step(backend, task, cfg, step, opt, sched, ref_model)
             done = step + 1
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                ev = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
+                ev = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed, cfg.sampling)
                 record |= {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
             log.write(record | {"step": done})
             progress.update(
@@ -136,7 +137,7 @@ def run_colocated(
             )
             if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
-    after = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed)
+    after = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed, cfg.sampling)
     log.write(
         {"step": cfg.train.steps, "eval/accuracy": after.accuracy, "eval/reward": after.reward}
     )

@@ -194,6 +194,7 @@ class DecoupledTrainer:
             self.task,
             self.cfg.train.eval_prompts,
             self.cfg.task.seed,
+            self.cfg.sampling,
         )
         return {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
 

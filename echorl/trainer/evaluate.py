@@ -19,10 +19,19 @@ class EvalResult:
     n: int
 
 
-def evaluate(backend: HFBackend, task: Task, n: int, seed: int = 0, chunk: int = 256) -> EvalResult:
+def evaluate(
+    backend: HFBackend,
+    task: Task,
+    n: int,
+    seed: int = 0,
+    params: SamplingConfig | None = None,
+    chunk: int = 256,
+) -> EvalResult:
+    """Greedy decoding (in `params`' prompt format); the verifier's reward alone."""
+    greedy = GREEDY if params is None else params.model_copy(update={"temperature": 0.0})
     problems = take(task, n, seed, split="eval")
     rewards: list[float] = []
     for i in range(0, n, chunk):
-        groups = rollout(backend, task, problems[i : i + chunk], 1, GREEDY, seed=0)
+        groups = rollout(backend, task, problems[i : i + chunk], 1, greedy, seed=0)
         rewards += [g.rewards[0] for g in groups]
     return EvalResult(sum(r >= 1.0 for r in rewards) / n, sum(rewards) / n, n)

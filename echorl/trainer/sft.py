@@ -12,13 +12,17 @@ import torch
 from rich.progress import Progress
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from echorl.config import SFTConfig
+from echorl.config import SamplingConfig, SFTConfig
+from echorl.models.prompts import encode_prompts
 from echorl.tasks import Environment, Task, is_environment, problem_stream
 from echorl.trainer.batch import Sequence, collate, token_logprobs
 
 
 def demonstration_batches(
-    task: Task | Environment, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig
+    task: Task | Environment,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: SFTConfig,
+    params: SamplingConfig = SamplingConfig(),
 ):
     """Endless batches of prompt + demonstration + eos, loss on the answer and the eos; for an
     environment, prompt + demonstrated turns, loss on the actions only."""
@@ -34,7 +38,8 @@ def demonstration_batches(
             else:
                 ids = encode(task.demonstration(p)) + [eos]
                 mask = None
-            seqs.append(Sequence(encode(p.prompt), ids, [0.0] * len(ids), 0.0, mask))
+            (prompt,) = encode_prompts(tokenizer, [p.prompt], params)
+            seqs.append(Sequence(prompt, ids, [0.0] * len(ids), 0.0, mask))
         yield collate(seqs, tokenizer.pad_token_id)
 
 
@@ -60,13 +65,14 @@ def warm_up(
     task: Task,
     cfg: SFTConfig,
     progress: Progress | None = None,
+    params: SamplingConfig = SamplingConfig(),
 ) -> list[float]:
     """Train `model` in place on demonstrations; returns the loss per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
     # Linear decay to 30%, not lower: RL then runs at a rate well below where warm-up ended,
     # which keeps the first policy-gradient steps inside the region warm-up left stable.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.7 * i / max(cfg.steps, 1))
-    batches = demonstration_batches(task, tokenizer, cfg)
+    batches = demonstration_batches(task, tokenizer, cfg, params)
     bar = progress.add_task(f"warm-up on {task.name}", total=cfg.steps) if progress else None
     losses = []
     model.train()

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import OptimConfig, RunConfig
+from echorl.models.prompts import encode_prompts
 from echorl.sampler.rollout import Group
 from echorl.seeding import derive_seed
 from echorl.trainer.advantages import compute_advantages
@@ -41,9 +42,7 @@ def groups_to_batch(
 ) -> Batch:
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (n_groups, G)
     advantages = compute_advantages(rewards, cfg.advantage)
-    prompt_ids = tokenizer([g.problem.prompt for g in groups], add_special_tokens=False)[
-        "input_ids"
-    ]
+    prompt_ids = encode_prompts(tokenizer, [g.problem.prompt for g in groups], cfg.sampling)
     seqs = [
         Sequence(prompt_ids[i], c.token_ids, c.logprobs, advantages[i, j].item(), c.mask)
         for i, g in enumerate(groups)

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import SamplingConfig
+from echorl.models.prompts import encode_prompts
 
 
 @dataclass
@@ -52,7 +53,7 @@ class HFBackend:
         self, prompts: list[str], n: int, params: SamplingConfig, max_new_tokens: int, seed: int
     ) -> list[list[Completion]]:
         """G = `n` completions per prompt; same `seed` and weights give the same tokens."""
-        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        ids = encode_prompts(self.tokenizer, prompts, params)
         flat = self.generate_ids([p for p in ids for _ in range(n)], params, max_new_tokens, seed)
         return [flat[i : i + n] for i in range(0, len(flat), n)]
 
