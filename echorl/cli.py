@@ -146,8 +146,8 @@ def train(
     """RL training. `--colocated` runs the single-process reference loop."""
     if not colocated:
         console.print(
-            "[red]--colocated:[/red] only the co-located loop exists in this release; "
-            "the decoupled trainer runs against a broker (see the README's roadmap)"
+            "[red]--colocated:[/red] `echorl train` is the co-located loop; the decoupled "
+            "trainer is `echorl trainer --broker URL` (or the whole swarm: `echorl run CONFIG`)"
         )
         raise typer.Exit(2)
     cfg = _config(
