@@ -43,7 +43,7 @@ class MetricsLog:
             for k, v in clean.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.tb.add_scalar(k, v, record.get("step", 0))
-            self.tb.flush()
+            # No flush per step: the writer flushes on its own clock and on close().
 
     def close(self) -> None:
         if self.tb is not None:

@@ -151,6 +151,7 @@ class DecoupledTrainer:
         self.task = get_task(cfg.task.name)
         self.step = 0
         self.consumed: list[int] = []
+        self.last_swarm: dict[str, float] = {}
         self.publisher = Publisher(client.clone(), Path(tempfile.mkdtemp(prefix="echorl-")))
 
     def start(self, resume: bool) -> None:
@@ -226,8 +227,15 @@ class DecoupledTrainer:
             **wait,
             "trainer/step_s": train_s,
             "perf/publish_s": self.publisher.last_s,  # the last upload that finished
-            **swarm_metrics(self.client),
+            **self.swarm(),
         }
+
+    def swarm(self, every: int = 10) -> dict[str, float]:
+        """Samplers alive and their speed, asked of the broker every `every` steps (a status
+        call costs the broker a scan of its tables; between asks the last answer stands)."""
+        if self.step % every == 1 or not self.last_swarm:
+            self.last_swarm = swarm_metrics(self.client)
+        return self.last_swarm
 
     def checkpoint(self) -> None:
         # v_step is at the broker before checkpoint `step` exists: a resume relies on it.
