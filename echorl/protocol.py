@@ -76,6 +76,14 @@ class Turn(_Wire):
     version: int = Field(ge=0, le=MAX_ID, description="policy version that generated the turn")
 
 
+def turn_mask(length: int, spans: list[tuple[int, int]]) -> list[int]:
+    """1 on tokens inside the model's [start, end) spans, 0 on the environment's."""
+    mask = [0] * length
+    for start, end in spans:
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
 class Completion(_Wire):
     """One of a group's completions, as a sampler reports it. A multi-turn episode lists its
     model `turns`; every token outside them is the environment's (log-prob 0, no loss)."""
@@ -121,10 +129,7 @@ class Completion(_Wire):
         """1 on the model's tokens, 0 on the environment's."""
         if self.turns is None:
             return [1] * len(self.token_ids)
-        mask = [0] * len(self.token_ids)
-        for t in self.turns:
-            mask[t.start : t.end] = [1] * (t.end - t.start)
-        return mask
+        return turn_mask(len(self.token_ids), [(t.start, t.end) for t in self.turns])
 
 
 class RolloutGroup(_Wire):

@@ -19,6 +19,7 @@ it are forgotten, so every group is trained into the final model exactly once.
 from __future__ import annotations
 
 import copy
+import shutil
 import tempfile
 import threading
 import time
@@ -78,6 +79,7 @@ class Publisher:
         self.wait()
         self.pool.shutdown()
         self.client.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def collect(

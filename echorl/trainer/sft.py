@@ -31,14 +31,14 @@ def demonstration_batches(
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     while True:
         problems = [next(stream) for _ in range(cfg.batch_size)]
+        prompts = encode_prompts(tokenizer, [p.prompt for p in problems], params)
         seqs = []
-        for p in problems:
+        for p, prompt in zip(problems, prompts):
             if is_environment(task):
                 ids, mask = transcript(task.demonstration_turns(p), encode)
             else:
                 ids = encode(task.demonstration(p)) + [eos]
                 mask = None
-            (prompt,) = encode_prompts(tokenizer, [p.prompt], params)
             seqs.append(Sequence(prompt, ids, [0.0] * len(ids), 0.0, mask))
         yield collate(seqs, tokenizer.pad_token_id)
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import SamplingConfig
 from echorl.models.prompts import encode_prompts
+from echorl.protocol import turn_mask
 
 
 @dataclass
@@ -32,10 +33,7 @@ class Completion:
         """1 on the model's turns, 0 on the environment's tokens; None for a single turn."""
         if self.turns is None:
             return None
-        mask = [0] * len(self.token_ids)
-        for start, end, _ in self.turns:
-            mask[start:end] = [1] * (end - start)
-        return mask
+        return turn_mask(len(self.token_ids), [(s, e) for s, e, _ in self.turns])
 
 
 class HFBackend:
