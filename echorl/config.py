@@ -156,6 +156,13 @@ class TrainConfig(_Section):
         0, ge=0, description="steps between held-out greedy evaluations; 0 = start and end only"
     )
     eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts per evaluation")
+    eval_samples: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="also sample this many answers per held-out prompt at the sampling "
+        "temperature and log their mean success (eval/pass1); 0 = greedy only",
+    )
     checkpoint_every: int = Field(
         50, ge=0, description="steps between checkpoints; 0 = only at the end"
     )

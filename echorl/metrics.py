@@ -73,7 +73,8 @@ def _moving_average(xs: list[float], window: int) -> list[float]:
 
 
 def plot_reward_curve(records: list[dict], path: Path, title: str = "") -> Path:
-    """Training reward per step (raw and smoothed) and held-out greedy accuracy."""
+    """Training reward per step (raw and smoothed), held-out greedy accuracy and, when
+    logged, held-out sampled pass@1."""
     steps = [r["step"] for r in records if "reward/mean" in r]
     reward = [r["reward/mean"] for r in records if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
@@ -84,6 +85,9 @@ def plot_reward_curve(records: list[dict], path: Path, title: str = "") -> Path:
     )
     if evals:
         ax.plot(*zip(*evals), "o-", color="tab:orange", label="held-out greedy accuracy")
+    sampled = [(r["step"], r["eval/pass1"]) for r in records if "eval/pass1" in r]
+    if sampled:
+        ax.plot(*zip(*sampled), "s--", color="tab:green", label="held-out pass@1 (sampled)")
     ax.set_xlabel("RL step (policy version)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)

@@ -253,6 +253,11 @@ def summarise(out: Path, console: Console) -> dict:
             "eval_first": evals[0]["eval/accuracy"],
             "eval_last": evals[-1]["eval/accuracy"],
         }
+        if "eval/pass1" in evals[0]:
+            summary |= {
+                "pass1_first": evals[0]["eval/pass1"],
+                "pass1_last": evals[-1]["eval/pass1"],
+            }
     table = Table(title="run summary")
     table.add_column("")
     table.add_column("value")

@@ -9,7 +9,6 @@ weights of version s, scores them, and makes version s + 1.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import PreTrainedModel
 
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
@@ -50,10 +50,23 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
         "reward/max": rewards.max().item(),
-        "reward/accuracy": (rewards >= 1.0).float().mean().item(),
+        "reward/accuracy": (rewards >= 1.0 - 1e-6).float().mean().item(),
         "rollout/groups_flat_frac": (rewards.std(dim=1) == 0).float().mean().item(),
         "rollout/completion_tokens_mean": sum(tokens) / len(tokens),
     }
+
+
+def reference(model_dir: str | Path, cfg: RunConfig) -> PreTrainedModel | None:
+    """The frozen policy the KL term pulls towards: the run's version 0 (also after a resume).
+    None when the KL term is off."""
+    if cfg.loss.kl_coef == 0:
+        return None
+    return load_policy(model_dir, cfg.model.device)[0].eval().requires_grad_(False)
+
+
+def held_out(backend: HFBackend, task: Task, cfg: RunConfig) -> EvalResult:
+    t = cfg.train
+    return evaluate(backend, task, t.eval_prompts, cfg.task.seed, cfg.sampling, t.eval_samples)
 
 
 def rl_step(
@@ -107,7 +120,7 @@ def run_colocated(
     task = get_task(cfg.task.name)
     ckpt = latest_checkpoint(out / "checkpoints") if resume else None
     model, tokenizer = load_policy(ckpt / "policy" if ckpt else model_dir, cfg.model.device)
-    ref_model = copy.deepcopy(model).eval() if cfg.loss.kl_coef > 0 else None
+    ref_model = reference(model_dir, cfg)
     backend = HFBackend(model, tokenizer)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim)
@@ -115,8 +128,8 @@ def run_colocated(
     log = MetricsLog(out / "metrics.jsonl", keep_through_step=start)
     before = None
     if start == 0:
-        before = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed, cfg.sampling)
-        log.write({"step": 0, "eval/accuracy": before.accuracy, "eval/reward": before.reward})
+        before = held_out(backend, task, cfg)
+        log.write({"step": 0, **before.record()})
         console.print(f"held-out greedy accuracy before RL: {before.accuracy:.3f} (n={before.n})")
     with _progress(console) as progress:
         bar = progress.add_task("RL", total=cfg.train.steps, completed=start)
@@ -124,8 +137,7 @@ def run_colocated(
             record = rl_step(backend, task, cfg, step, opt, sched, ref_model)
             done = step + 1
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                ev = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed, cfg.sampling)
-                record |= {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
+                record |= held_out(backend, task, cfg).record()
             log.write(record | {"step": done})
             progress.update(
                 bar,
@@ -137,10 +149,8 @@ def run_colocated(
             )
             if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
-    after = evaluate(backend, task, cfg.train.eval_prompts, cfg.task.seed, cfg.sampling)
-    log.write(
-        {"step": cfg.train.steps, "eval/accuracy": after.accuracy, "eval/reward": after.reward}
-    )
+    after = held_out(backend, task, cfg)
+    log.write({"step": cfg.train.steps, **after.record()})
     save_checkpoint(out / "checkpoints", cfg.train.steps, model, tokenizer, opt, sched)
     policy = out / "policy"
     model.save_pretrained(policy)

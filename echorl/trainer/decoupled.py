@@ -18,7 +18,6 @@ it are forgotten, so every group is trained into the final model exactly once.
 
 from __future__ import annotations
 
-import copy
 import shutil
 import tempfile
 import threading
@@ -40,8 +39,7 @@ from echorl.sampler.backends.hf import Completion, HFBackend
 from echorl.sampler.rollout import Group
 from echorl.tasks import Problem, get_task
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from echorl.trainer.colocated import reward_metrics
-from echorl.trainer.evaluate import evaluate
+from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
@@ -162,7 +160,8 @@ class DecoupledTrainer:
         self.model, self.tokenizer = load_policy(
             ckpt / "policy" if ckpt else self.model_dir, self.cfg.model.device
         )
-        self.ref_model = copy.deepcopy(self.model).eval() if self.cfg.loss.kl_coef > 0 else None
+        # The KL reference is the run's starting policy, also after a resume.
+        self.ref_model = reference(self.model_dir, self.cfg)
         self.opt = build_optimizer(self.model, self.cfg.optim)
         self.sched = build_scheduler(self.opt, self.cfg.optim)
         if ckpt:
@@ -192,14 +191,7 @@ class DecoupledTrainer:
             self.log.write({"step": 0, **self.evaluate()})
 
     def evaluate(self) -> dict[str, float]:
-        ev = evaluate(
-            HFBackend(self.model, self.tokenizer),
-            self.task,
-            self.cfg.train.eval_prompts,
-            self.cfg.task.seed,
-            self.cfg.sampling,
-        )
-        return {"eval/accuracy": ev.accuracy, "eval/reward": ev.reward}
+        return held_out(HFBackend(self.model, self.tokenizer), self.task, self.cfg).record()
 
     def train_step(self, stop: threading.Event) -> dict | None:
         """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups."""

@@ -1,4 +1,6 @@
-"""Held-out evaluation: greedy accuracy on problems that training and warm-up never see."""
+"""Held-out evaluation on problems that training and warm-up never see: greedy accuracy,
+and optionally pass@1 under the sampling policy (mean success of k samples per problem,
+at the run's temperature), which is what RL optimises."""
 
 from __future__ import annotations
 
@@ -8,15 +10,23 @@ from echorl.config import SamplingConfig
 from echorl.sampler.backends.hf import HFBackend
 from echorl.sampler.rollout import rollout
 from echorl.tasks import Task, take
+from echorl.tasks.base import success
 
 GREEDY = SamplingConfig(temperature=0.0)
 
 
 @dataclass
 class EvalResult:
-    accuracy: float  # fraction of problems with reward 1
-    reward: float  # mean reward
+    accuracy: float  # greedy: fraction of problems with reward 1
+    reward: float  # greedy: mean reward
     n: int
+    pass1: float | None = None  # sampled: mean success over `samples` per problem
+    samples: int = 0
+
+    def record(self) -> dict[str, float]:
+        """The metrics a run logs."""
+        out = {"eval/accuracy": self.accuracy, "eval/reward": self.reward}
+        return out if self.pass1 is None else out | {"eval/pass1": self.pass1}
 
 
 def evaluate(
@@ -25,13 +35,27 @@ def evaluate(
     n: int,
     seed: int = 0,
     params: SamplingConfig | None = None,
+    samples: int = 0,
     chunk: int = 256,
 ) -> EvalResult:
-    """Greedy decoding (in `params`' prompt format); the verifier's reward alone."""
-    greedy = GREEDY if params is None else params.model_copy(update={"temperature": 0.0})
+    """Greedy decoding (in `params`' prompt format), and `samples` draws per problem at
+    `params`' temperature when `samples` > 0; the verifier's reward alone (success is a
+    reward of at least 1: a solved episode, a right answer)."""
+    params = params or SamplingConfig()
+    greedy = params.model_copy(update={"temperature": 0.0})
     problems = take(task, n, seed, split="eval")
     rewards: list[float] = []
+    sampled: list[float] = []
     for i in range(0, n, chunk):
-        groups = rollout(backend, task, problems[i : i + chunk], 1, greedy, seed=0)
-        rewards += [g.rewards[0] for g in groups]
-    return EvalResult(sum(r >= 1.0 for r in rewards) / n, sum(rewards) / n, n)
+        part = problems[i : i + chunk]
+        rewards += [g.rewards[0] for g in rollout(backend, task, part, 1, greedy, seed=0)]
+        if samples:
+            groups = rollout(backend, task, part, samples, params, seed=seed + 1)
+            sampled += [sum(map(success, g.rewards)) / samples for g in groups]
+    return EvalResult(
+        sum(map(success, rewards)) / n,
+        sum(rewards) / n,
+        n,
+        sum(sampled) / n if samples else None,
+        samples,
+    )
