@@ -168,9 +168,12 @@ def evaluate_cmd(
     model: Path = typer.Option(..., help="local HF model folder"),
     task: str = typer.Option("add", help="task name"),
     n: int = typer.Option(200, min=1, help="held-out problems"),
+    samples: int = typer.Option(
+        0, min=0, help="also sample this many answers per problem at temperature 1: pass@1"
+    ),
     seed: int = 0,
 ) -> None:
-    """Greedy accuracy on held-out problems."""
+    """Greedy accuracy on held-out problems (and sampled pass@1 with --samples)."""
     cfg = _config(None, None, **{"task.name": task})
     _quiet_transformers()
     from echorl.models import load_policy
@@ -178,8 +181,12 @@ def evaluate_cmd(
     from echorl.tasks import get_task
     from echorl.trainer.evaluate import evaluate
 
-    result = evaluate(HFBackend(*load_policy(model)), get_task(cfg.task.name), n, seed)
-    console.print(f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f} (n={result.n})")
+    backend = HFBackend(*load_policy(model))
+    result = evaluate(backend, get_task(cfg.task.name), n, seed, cfg.sampling, samples)
+    shown = f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f}"
+    if result.pass1 is not None:
+        shown += f", sampled pass@1 {result.pass1:.3f} ({samples} per problem)"
+    console.print(shown + f" (n={result.n})")
 
 
 @app.command()

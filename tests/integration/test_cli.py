@@ -99,3 +99,5 @@ def test_train_without_colocated_says_why(warm):
 
 def test_eval_prints_accuracy(warm):
     assert "held-out greedy accuracy" in echorl("eval", "--model", str(warm), "--n", "8").stdout
+    shown = echorl("eval", "--model", str(warm), "--n", "8", "--samples", "2").stdout
+    assert "sampled pass@1" in shown and "(2 per problem)" in shown

@@ -89,3 +89,18 @@ def test_masked_mean_skips_empty_rows():
     m = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     assert masked_mean(x, m, "seq_mean").item() == 2.0
     assert masked_mean(x, m, "token_mean").item() == 2.0
+
+
+def test_the_kl_reference_is_the_runs_starting_policy(tiny_saved):
+    """Loaded from the run's version 0, frozen; also what a resumed run gets (not its checkpoint)."""
+    from echorl.config import load_config
+    from echorl.models import load_policy
+    from echorl.trainer.colocated import reference
+
+    assert reference(tiny_saved, load_config(None, [])) is None  # KL off: no second model
+    ref = reference(tiny_saved, load_config(None, ["loss.kl_coef=0.1"]))
+    start, _ = load_policy(tiny_saved)
+    assert not any(p.requires_grad for p in ref.parameters())
+    assert all(
+        torch.equal(a, b) for a, b in zip(ref.state_dict().values(), start.state_dict().values())
+    )
