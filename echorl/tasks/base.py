@@ -112,9 +112,9 @@ def first_line(completion: str) -> str:
     return completion.split("\n", 1)[0].strip()
 
 
-def success(reward: float) -> bool:
+def success(reward):
     """A right answer or a solved episode: a reward of 1 or more (with a float tolerance, since
-    an episode's return is a sum of per-step rewards)."""
+    an episode's return is a sum of per-step rewards). Elementwise on a tensor."""
     return reward >= 1.0 - 1e-6
 
 

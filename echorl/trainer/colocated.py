@@ -25,6 +25,7 @@ from echorl.sampler.backends.hf import HFBackend
 from echorl.sampler.rollout import Group, rollout
 from echorl.seeding import derive_seed
 from echorl.tasks import Task, get_task, take
+from echorl.tasks.base import success
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.evaluate import EvalResult, evaluate
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
@@ -50,7 +51,7 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
         "reward/max": rewards.max().item(),
-        "reward/accuracy": (rewards >= 1.0 - 1e-6).float().mean().item(),
+        "reward/accuracy": success(rewards).float().mean().item(),
         "rollout/groups_flat_frac": (rewards.std(dim=1) == 0).float().mean().item(),
         "rollout/completion_tokens_mean": sum(tokens) / len(tokens),
     }
