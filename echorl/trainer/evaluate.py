@@ -12,8 +12,6 @@ from echorl.sampler.rollout import rollout
 from echorl.tasks import Task, take
 from echorl.tasks.base import success
 
-GREEDY = SamplingConfig(temperature=0.0)
-
 
 @dataclass
 class EvalResult:

@@ -132,6 +132,19 @@ def query(data_dir, sql, *params):
         db.close()
 
 
+def echorl_run(out, *overrides, config=None, timeout=900):
+    """`echorl run [CONFIG] --out OUT` on any free port, `-o` each override; asserts exit 0
+    (showing every process log when not) and returns what it printed."""
+    args = [sys.executable, "-m", "echorl.cli", "run", *([str(config)] if config else [])]
+    args += ["--out", str(out)]
+    for o in ("broker.port=0", *overrides):
+        args += ["-o", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    return proc.stdout
+
+
 def read_jsonl(path):
     import json
 

@@ -9,28 +9,22 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.conftest import query, read_jsonl
+from tests.integration.conftest import echorl_run, query, read_jsonl
 
 pytestmark = pytest.mark.integration
 
 STEPS, B = 40, 16
 
 
-def echorl_run(out, model, *overrides, timeout=900):
-    args = [sys.executable, "-m", "echorl.cli", "run", "--out", str(out)]
-    args += ["-o", f"model.path={model}", "-o", "broker.port=0", "-o", "launch.samplers=2"]
-    for o in overrides:
-        args += ["-o", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    return proc.stdout
+def run_on(out, model, *overrides):
+    """`echorl run` with 2 samplers on a warmed-up model."""
+    return echorl_run(out, f"model.path={model}", "launch.samplers=2", *overrides)
 
 
 @pytest.mark.parametrize("mode,bound", [("sync", 0), ("async", 1)])
 def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, bound):
     out = tmp_path / mode
-    shown = echorl_run(
+    shown = run_on(
         out,
         warm_add,
         f"broker.mode={mode}",
@@ -75,7 +69,7 @@ def test_async_with_staleness_zero_reproduces_sync(tmp_path, warm_add):
     runs = {}
     for mode in ("sync", "async"):
         out = tmp_path / mode
-        echorl_run(
+        run_on(
             out,
             warm_add,
             f"broker.mode={mode}",

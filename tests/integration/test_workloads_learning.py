@@ -8,23 +8,16 @@ Measured with these configs (fixed seeds; async scheduling makes runs differ sli
       (n=200; greedy dipped to 0.39 at step 40), train reward 0.313 -> 0.429; 15 min: `slow`.
 """
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.integration.conftest import read_jsonl
+from tests.integration.conftest import echorl_run, read_jsonl
 
 pytestmark = pytest.mark.integration
 
 
-def run_example(config, out, *overrides):
-    args = [sys.executable, "-m", "echorl.cli", "run", config, "--out", str(out)]
-    for o in ("broker.port=0", *overrides):
-        args += ["-o", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=1800)
-    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+def run_example(config, out):
+    """The example's metrics: its evaluations and its per-step train reward."""
+    echorl_run(out, config=config, timeout=1800)
     records = read_jsonl(out / "metrics.jsonl")
     evals = [r for r in records if "eval/accuracy" in r]
     train = [r["reward/mean"] for r in records if "reward/mean" in r]
@@ -48,7 +41,7 @@ def test_logic_puzzles_learn_async(tmp_path):
 
 @pytest.mark.slow
 def test_multi_turn_sokoban_learns_async(tmp_path):
-    """~20 min on 2 cores: `pytest -m slow tests/integration/test_workloads_learning.py`."""
+    """~15 min on 2 cores: `pytest -m slow tests/integration/test_workloads_learning.py`."""
     evals, train = run_example("examples/sokoban.toml", tmp_path / "sokoban")
     assert len(train) == 120 and len(evals) == 4
     assert_learned(evals, train, pass1_margin=0.03, reward_margin=0.02)
