@@ -17,6 +17,7 @@ Connection errors and 5xx are retried with exponential backoff and full jitter
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 import time
 import uuid
@@ -147,8 +148,24 @@ class BrokerClient:
         """Leave the swarm; the broker re-queues this sampler's leased jobs at once."""
         return self._request("POST", f"/v1/samplers/{sampler_id}/leave").json()["returned"]
 
-    def lease(self, sampler_id: str, n: int = 1) -> LeaseReply:
-        return self._post("/v1/jobs/lease", LeaseRequest(sampler_id=sampler_id, n=n), LeaseReply)
+    def lease(
+        self,
+        sampler_id: str,
+        n: int = 1,
+        wait_s: float = 0.0,
+        version_held: int | None = None,
+        tokens_per_s: float | None = None,
+    ) -> LeaseReply:
+        """Up to `n` jobs; with `wait_s`, the broker holds the call until one is admitted.
+        A lease is also a heartbeat: it may report the version held and the last speed."""
+        body = LeaseRequest(
+            sampler_id=sampler_id,
+            n=n,
+            wait_s=wait_s,
+            version_held=version_held,
+            tokens_per_s=tokens_per_s,
+        )
+        return self._post("/v1/jobs/lease", body, LeaseReply)
 
     def push(self, sampler_id: str, group: RolloutGroup) -> PushReply:
         return self._post(
@@ -181,57 +198,88 @@ class BrokerClient:
         verify its sha256; `dest` appears only when the bytes are whole and right."""
         part = dest.with_name(dest.name + ".part")
         for _ in range(self.retries + 1):
-            have = part.stat().st_size if part.exists() else 0
-            try:
-                with self.http.stream(
-                    "GET",
-                    f"/v1/weights/{version.version}",
-                    headers={"Range": f"bytes={have}-"} if have else {},
-                ) as r:
-                    if r.status_code >= 400 and r.status_code != 416:
-                        r.read()
-                        raise (BrokerRejected if r.status_code < 500 else BrokerUnavailable)(
-                            r.status_code, _reason(r)
-                        )
-                    mode = "ab" if r.status_code == 206 else "wb"
-                    if r.status_code != 416:
-                        with part.open(mode) as f:
-                            for chunk in r.iter_bytes(CHUNK):
-                                f.write(chunk)
-            except (httpx.TransportError, BrokerUnavailable):
-                time.sleep(self.backoff)
-                continue
+            with part.open("ab") as f:
+                if self._stream_weights(version.version, f, f.tell()):
+                    continue  # broke off: resume from what arrived
             if _sha256(part) == version.sha256:
                 part.replace(dest)
                 return dest
             part.unlink()  # corrupt: start over
         raise BrokerUnavailable(None, f"could not download version {version.version} intact")
 
+    def fetch(self, version: WeightVersion) -> bytes:
+        """`version`'s bytes, in memory, verified: for weights small enough to hold twice
+        (no file written and read back, no second pass to hash)."""
+        buf = io.BytesIO()
+        for _ in range(self.retries + 1):
+            if self._stream_weights(version.version, buf, buf.tell()):
+                continue  # broke off: resume from what arrived
+            data = buf.getvalue()
+            if hashlib.sha256(data).hexdigest() == version.sha256:
+                return data
+            buf = io.BytesIO()  # corrupt: start over
+        raise BrokerUnavailable(None, f"could not download version {version.version} intact")
+
+    def _stream_weights(self, version: int, out, have: int) -> bool:
+        """Append the weights from byte `have` on to `out`; True if the transfer broke off
+        (after a backoff: call again to resume), False once the broker sent the rest."""
+        try:
+            with self.http.stream(
+                "GET", f"/v1/weights/{version}", headers={"Range": f"bytes={have}-"} if have else {}
+            ) as r:
+                if r.status_code == 416:  # nothing after `have`: already whole
+                    return False
+                if r.status_code >= 400:
+                    r.read()
+                    raise (BrokerRejected if r.status_code < 500 else BrokerUnavailable)(
+                        r.status_code, _reason(r)
+                    )
+                if r.status_code != 206:  # the broker sent it all again
+                    out.seek(0)
+                    out.truncate()
+                for chunk in r.iter_bytes(CHUNK):
+                    out.write(chunk)
+            return False
+        except (httpx.TransportError, BrokerUnavailable):
+            time.sleep(self.backoff)
+            return True
+
     def status(self) -> dict:
         return self._request("GET", "/v1/status").json()
 
     # -- trainer role ---------------------------------------------------------------------------
 
-    def publish(self, version: int, path: Path) -> WeightVersion:
-        digest = _sha256(path)
+    def publish(self, version: int, weights: Path | bytes) -> WeightVersion:
+        """Upload a safetensors file, or its bytes already in memory."""
+        if isinstance(weights, bytes):
+            digest, size = hashlib.sha256(weights).hexdigest(), len(weights)
 
-        def body():
-            with path.open("rb") as f:
-                while chunk := f.read(CHUNK):
-                    yield chunk
+            def body():
+                view = memoryview(weights)
+                for i in range(0, size, CHUNK):
+                    yield view[i : i + CHUNK]
+
+        else:
+            digest, size = _sha256(weights), weights.stat().st_size
+
+            def body():
+                with weights.open("rb") as f:
+                    while chunk := f.read(CHUNK):
+                        yield chunk
 
         r = self._request(
             "PUT",
             f"/v1/weights/{version}",
-            content=body(),
-            headers={"X-Sha256": digest, "Content-Length": str(path.stat().st_size)},
+            content=body,  # a factory: every retry sends it from the start
+            headers={"X-Sha256": digest, "Content-Length": str(size)},
         )
         return WeightVersion.model_validate_json(r.content)
 
-    def pull(self, n: int, step: int) -> PullReply:
-        """Up to `n` groups for `step`; retries carry one request id, so a retry whose first
-        answer was lost gets the same groups instead of leaving them leased to nobody."""
-        body = PullRequest(n=n, step=step, request_id=uuid.uuid4().hex)
+    def pull(self, n: int, step: int, wait_s: float = 0.0) -> PullReply:
+        """Up to `n` groups for `step`; with `wait_s`, the broker holds the call until some are
+        ready. Retries carry one request id, so a retry whose first answer was lost gets the
+        same groups instead of leaving them leased to nobody."""
+        body = PullRequest(n=n, step=step, request_id=uuid.uuid4().hex, wait_s=wait_s)
         return self._post("/v1/batches/pull", body, PullReply)
 
     def rewind(self, step: int, consumed: list[int]) -> RewindReply:

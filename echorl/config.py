@@ -262,8 +262,12 @@ class SamplerConfig(_Section):
     threads: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
     )
-    idle_poll_s: float = Field(
-        0.05, gt=0.0, le=60.0, description="wait before asking again when no job was admitted"
+    lease_wait_s: float = Field(
+        2.0,
+        ge=0.1,
+        le=10.0,
+        description="long poll: how long the broker may hold a lease while no job is admitted "
+        "(it answers the moment one is); also how long a stopping sampler may take to notice",
     )
 
 
@@ -273,6 +277,12 @@ class LaunchConfig(_Section):
     samplers: int = Field(1, ge=0, le=256, description="sampler processes to start")
     sampler_threads: int = Field(1, ge=1, le=256, description="torch threads per sampler")
     trainer_threads: int = Field(1, ge=1, le=256, description="torch threads of the trainer")
+    pin_cores: bool = Field(
+        True,
+        description="Linux: the trainer's compute gets the first `trainer_threads` cores to "
+        "itself; broker, samplers and the trainer's upload thread share the rest (as on "
+        "separate machines). Off, or too few cores: the OS schedules everyone everywhere",
+    )
     warm_up: bool = Field(
         True, description="when model.path is unset: warm the tiny model up (sft) before RL"
     )

@@ -217,14 +217,31 @@ class HeartbeatRequest(_Wire):
     )
 
 
-class LeaseRequest(_Wire):
+# A long poll is held at most this long: under any client's read timeout, and short enough
+# that a process asked to stop is not kept waiting.
+MAX_WAIT_S = 10.0
+
+
+class LeaseRequest(HeartbeatRequest):
+    """sampler -> broker: jobs, please. Also a heartbeat, with the version held and speed."""
+
     sampler_id: str = Field(max_length=64)
     n: int = Field(1, ge=1, le=1024)
+    wait_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=MAX_WAIT_S,
+        description="long poll: when no job is admitted, wait up to this long for one "
+        "(a new version or a returned lease) before answering with none",
+    )
 
 
 class LeaseReply(_Wire):
     jobs: list[Job]
     latest_version: int
+    # The weights of `latest_version` (sha256 and size), so that a sampler already holding
+    # them need not ask; None before the first publish.
+    latest: WeightVersion | None = None
 
 
 class PushRequest(_Wire):
@@ -262,6 +279,12 @@ class PullRequest(_Wire):
         None,
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="a retry with the same id gets the same groups (its first answer was lost)",
+    )
+    wait_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=MAX_WAIT_S,
+        description="long poll: when no group is ready, wait up to this long for a push",
     )
 
 

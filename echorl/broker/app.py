@@ -17,8 +17,10 @@ import hmac
 import logging
 import os
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from typing import TypeVar
 
 import safetensors
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -57,6 +59,36 @@ from echorl.protocol import (
 from echorl.tasks import get_task
 
 log = logging.getLogger("echorl.broker")
+T = TypeVar("T")
+
+
+class Bell:
+    """Wakes the long polls waiting for one kind of change; rung from any thread."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None  # set once the server runs
+        self.event = asyncio.Event()
+
+    def ring(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._ring)
+
+    def _ring(self) -> None:
+        self.event.set()  # wakes everyone waiting now; later waiters wait for the next ring
+        self.event = asyncio.Event()
+
+    async def poll(self, wait_s: float, attempt: Callable[[], T], found: Callable[[T], bool]) -> T:
+        """Run `attempt` (blocking, on a worker thread) until `found(result)` or `wait_s` has
+        passed, trying again after each ring; the last result either way."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            rung = self.event  # taken before the attempt: a ring during it is not missed
+            result = await asyncio.to_thread(attempt)
+            left = deadline - time.monotonic()
+            if found(result) or left <= 0:
+                return result
+            with suppress(TimeoutError):
+                await asyncio.wait_for(rung.wait(), left)
 
 
 def _tokens(cfg: RunConfig) -> dict[str, str]:
@@ -96,14 +128,21 @@ def create_app(cfg: RunConfig) -> FastAPI:
     )
     latest = Gauge("broker_latest_version", "newest published policy version", registry=registry)
     latest.set(store.latest_version())
+    # Long polls: samplers wait for admitted jobs (a new version, a returned lease), the
+    # trainer for ready groups (a push, an expired pull).
+    jobs_bell, groups_bell = Bell(), Bell()
 
     async def expiry_loop():
         while True:
             await asyncio.sleep(1.0)
-            store.expire(time.time(), b.sampler_timeout)
+            returned, _ = store.expire(time.time(), b.sampler_timeout)
+            if returned:
+                jobs_bell.ring()
+            groups_bell.ring()  # pulls whose trainer lease ran out may be ready again
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        jobs_bell.loop = groups_bell.loop = asyncio.get_running_loop()
         reaper = asyncio.create_task(expiry_loop())
         yield
         reaper.cancel()
@@ -180,7 +219,10 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @app.post("/v1/samplers/{sampler_id}/leave", dependencies=[sampler])
     def leave(sampler_id: str = PathParam(max_length=64)) -> dict:
-        return {"returned": store.leave(sampler_id)}
+        returned = store.leave(sampler_id)
+        if returned:
+            jobs_bell.ring()
+        return {"returned": returned}
 
     # Sync is admission with max_staleness 0 and every job pinned to the latest version.
     admit = Admission(
@@ -190,14 +232,24 @@ def create_app(cfg: RunConfig) -> FastAPI:
     )
 
     @app.post("/v1/jobs/lease", dependencies=[sampler])
-    def lease(body: LeaseRequest) -> LeaseReply:
-        now = time.time()
-        store.heartbeat(body.sampler_id, now)
-        jobs = store.lease(
-            body.sampler_id, body.n, cfg.train.group_size, now, b.lease_seconds, admit=admit
-        )
+    async def lease(body: LeaseRequest) -> LeaseReply:
+        def attempt():
+            now = time.time()
+            store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s)
+            return store.lease(
+                body.sampler_id, body.n, cfg.train.group_size, now, b.lease_seconds, admit=admit
+            )
+
+        jobs = await jobs_bell.poll(body.wait_s, attempt, bool)
         # Read after the lease: at least the version its admission budget was computed with.
-        return LeaseReply(jobs=jobs, latest_version=store.latest_version())
+        version = store.latest_version()
+        return LeaseReply(jobs=jobs, latest_version=version, latest=_describe(version))
+
+    def _describe(version: int) -> WeightVersion | None:
+        try:
+            return describe(version) if version >= 0 else None
+        except HTTPException:  # forgotten by a rewind just now: the sampler asks again
+            return None
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
@@ -216,6 +268,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         stored = store.push(body.sampler_id, body.group, rewards, time.time())
         if stored:
             pushed.inc()
+            groups_bell.ring()
         return PushReply(stored=stored, rewards=rewards)
 
     @app.post("/v1/rollouts/batch", dependencies=[sampler])
@@ -238,11 +291,14 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 rewards=None if refused else rewards,
                 refused=refused,
             )
-        pushed.inc(sum(r.stored for r in results.values()))
+        n_stored = sum(r.stored for r in results.values())
+        pushed.inc(n_stored)
+        if n_stored:
+            groups_bell.ring()
         return PushManyReply(results=[results[g.job_id] for g in body.groups])
 
     @app.post("/v1/batches/pull", dependencies=[trainer])
-    def pull(body: PullRequest) -> PullReply:
+    async def pull(body: PullRequest) -> PullReply:
         if body.n > cfg.train.batch_prompts:
             raise ProtocolError(
                 f"pull of {body.n} groups, but this broker admits batches of "
@@ -253,9 +309,17 @@ def create_app(cfg: RunConfig) -> FastAPI:
             if b.mode == "sync"
             else {"min_version": body.step - b.max_staleness}
         )
-        groups, n_dropped = store.pull(
-            body.n, time.time(), b.trainer_lease_seconds, request_id=body.request_id, **window
-        )
+        n_dropped = 0
+
+        def attempt():
+            nonlocal n_dropped
+            groups, n = store.pull(
+                body.n, time.time(), b.trainer_lease_seconds, request_id=body.request_id, **window
+            )
+            n_dropped += n
+            return groups
+
+        groups = await groups_bell.poll(body.wait_s, attempt, bool)
         dropped.inc(n_dropped)
         return PullReply(
             groups=[
@@ -281,6 +345,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
             if int(path.stem[1:]) > reply["latest_version"]:
                 _forget(path)
         latest.set(reply["latest_version"])
+        jobs_bell.ring()
+        groups_bell.ring()
         log.warning("trainer resumed at step %d: %s", body.step, reply)
         return RewindReply(**reply)
 
@@ -307,7 +373,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 digest.update(chunk)
                 f.write(chunk)
             f.flush()
-            os.fsync(f.fileno())
+            await asyncio.to_thread(os.fsync, f.fileno())  # the other routes go on meanwhile
         if digest.hexdigest() != expected:
             tmp.unlink()
             raise HTTPException(400, f"sha256 mismatch: body hashes to {digest.hexdigest()}")
@@ -328,6 +394,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         source_sha.write_text(expected)
         store.set_latest_version(version)
         latest.set(version)
+        jobs_bell.ring()  # a new version admits more jobs
         _retain(data / "weights", version, b.keep_versions, store.referenced_versions())
         return WeightVersion(
             version=version, sha256=served, size_bytes=final.stat().st_size, dtype=b.sampler_dtype

@@ -400,11 +400,13 @@ class BrokerStore:
         min_version: int = 0,
         request_id: str | None = None,
     ) -> tuple[list[StoredGroup], int]:
-        """Up to `n` ready groups for the trainer, freshest first, leased until `now + lease_seconds`.
+        """Up to `n` ready groups for the trainer, leased until `now + lease_seconds`.
 
         sync: `version` = v takes exactly the groups of version v (older ones can never be
         consumed and are dropped as stale). async: groups older than `min_version`
-        (= step - max_staleness) are dropped. A repeated `request_id` (a retry whose answer was
+        (= step - max_staleness) are dropped; of the rest, those of `min_version` come first
+        (the last step they may be used at: taking them wastes no generation), then the
+        freshest. A repeated `request_id` (a retry whose answer was
         lost) gets the same groups again. Returns the groups and how many this call dropped."""
 
         def fn(c):
@@ -425,9 +427,12 @@ class BrokerStore:
                 (floor,),
             ).rowcount
             if version is None:
+                # Groups at the bound first (next step they would be dropped: generated for
+                # nothing), then the freshest.
                 rows = c.execute(
-                    select + "WHERE r.state = 'ready' ORDER BY version DESC, r.job_id LIMIT ?",
-                    (n,),
+                    select + "WHERE r.state = 'ready' "
+                    "ORDER BY version = ? DESC, version DESC, r.job_id LIMIT ?",
+                    (min_version, n),
                 )
             else:
                 rows = c.execute(

@@ -51,12 +51,16 @@ class Swarm:
     samplers: list[subprocess.Popen] = field(default_factory=list)
     logs: list = field(default_factory=list)
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def spawn(
+        self, name: str, *args: str, cpus: set[int] | None = None, env: dict | None = None
+    ) -> subprocess.Popen:
+        """Start `echorl ARGS` logging to logs/NAME.log, on the cores `cpus` (None: any)."""
         log = (self.out / "logs" / f"{name}.log").open("w")
         self.logs.append(log)
         return subprocess.Popen(
             [sys.executable, "-m", "echorl.cli", *args],
-            env=self.env,
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+            env=env or self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
@@ -77,6 +81,22 @@ class Swarm:
                     p.wait()
         for log in self.logs:
             log.close()
+
+
+def core_split(cfg: RunConfig) -> tuple[set[int], set[int]] | None:
+    """(the trainer's cores, everyone else's) under `launch.pin_cores`, or None when pinning is
+    off, unsupported (not Linux) or there are no cores left over for the rest."""
+    if not cfg.launch.pin_cores or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    n = cfg.launch.trainer_threads
+    if len(cores) <= n:
+        return None
+    return set(cores[:n]), set(cores[n:])
+
+
+def _cpu_list(cores: set[int]) -> str:
+    return ",".join(map(str, sorted(cores)))
 
 
 def free_port(wanted: int = 0) -> int:
@@ -128,11 +148,21 @@ def launch(
         "ECHORL_SAMPLER_TOKEN": secrets.token_hex(16),
         "HF_HUB_OFFLINE": "1",
     }
+    split = core_split(cfg)
+    trainer_cores, other_cores = split or (None, None)
+    trainer_env = env if split is None else env | {"ECHORL_PUBLISH_CPUS": _cpu_list(other_cores)}
+    if split:
+        console.print(
+            f"cores: trainer {_cpu_list(trainer_cores)}; broker, samplers, uploads "
+            f"{_cpu_list(other_cores)}"
+        )
+        own = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, other_cores)  # the launcher's own watching, too
     swarm = Swarm(out, f"http://127.0.0.1:{port}", env)
     stop = []
     handler = signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
     try:
-        swarm.broker = swarm.spawn("broker", "broker", "-c", str(config))
+        swarm.broker = swarm.spawn("broker", "broker", "-c", str(config), cpus=other_cores)
         wait_healthy(swarm.url, swarm.broker)
         common = ("--broker", swarm.url, "-c", str(config))
         swarm.samplers = [
@@ -146,11 +176,18 @@ def launch(
                 str(cfg.launch.sampler_threads),
                 "--metrics",
                 str(out / "samplers" / f"sampler-{k}.jsonl"),
+                cpus=other_cores,
             )
             for k in range(cfg.launch.samplers)
         ]
         trainer_args = ("trainer", *common, "-o", f"model.threads={cfg.launch.trainer_threads}")
-        swarm.trainer = swarm.spawn("trainer", *trainer_args, *(["--resume"] if resume else []))
+        swarm.trainer = swarm.spawn(
+            "trainer",
+            *trainer_args,
+            *(["--resume"] if resume else []),
+            cpus=trainer_cores,
+            env=trainer_env,
+        )
         code = watch(swarm, cfg, console, stop)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the swarm (the trainer checkpoints first)")
@@ -158,6 +195,8 @@ def launch(
     finally:
         swarm.stop()
         signal.signal(signal.SIGTERM, handler)
+        if split:
+            os.sched_setaffinity(0, own)
     return code, out
 
 

@@ -7,7 +7,8 @@ The protocol decides which weights a batch of jobs needs: sync jobs carry
 weights); async jobs use the latest version the broker reported, re-checked
 between batches. Weights are swapped in place with `load_state_dict` between
 generations, never during one. A lease (`sampler.jobs_per_lease` jobs) is
-generated as one batch. A group the broker refuses (its lease ran out) is
+generated as one batch; a lease is a long poll (the broker answers as soon
+as a job is admitted, e.g. when a new version is out). A group the broker refuses (its lease ran out) is
 counted and dropped; a broker that is down is waited for. The loop knows
 nothing of training.
 """
@@ -20,18 +21,20 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
-from echorl.protocol import Job, SamplerInfo
+from echorl.protocol import Job, LeaseReply, SamplerInfo, WeightVersion
 from echorl.sampler.backends.hf import HFBackend
 from echorl.sampler.rollout import rollout, to_wire
 from echorl.seeding import derive_seed
 from echorl.tasks import get_task
 
 log = logging.getLogger("echorl.sampler")
+
+IN_MEMORY_BYTES = 256 << 20  # weights up to this size are fetched into memory, not to disk
 
 
 class Sampler:
@@ -49,36 +52,45 @@ class Sampler:
         self.held: tuple[int, str] | None = None  # (version, sha256) of the weights in the backend
         self.pushed = self.rejected = 0
         self.idle_s = 0.0  # waiting for admitted jobs since the last batch
+        self.tokens_per_s: float | None = None  # of the last batch
         cache.mkdir(parents=True, exist_ok=True)
 
     @property
     def version(self) -> int | None:
         return None if self.held is None else self.held[0]
 
-    def ensure_version(self, version: int) -> float:
+    def ensure_version(self, version: int, known: WeightVersion | None = None) -> float:
         """Download `version` (verified) and load it in place, unless already held; returns the
         seconds spent. Weights are known by sha256 too: a resumed trainer may re-publish a
-        version number with other weights."""
-        info = self.client.describe(version)
+        version number with other weights. `known`: the broker's description of the latest
+        version, which came with the lease (saves asking)."""
+        info = known if known is not None and known.version == version else None
+        info = info or self.client.describe(version)
         if self.held == (version, info.sha256):
             return 0.0
         t0 = time.perf_counter()
-        path = self.client.download(info, self.cache / f"v{version}.safetensors")
+        if info.size_bytes <= IN_MEMORY_BYTES:
+            weights = load(self.client.fetch(info))
+        else:  # large: stream to disk (resumable), then map it
+            path = self.client.download(info, self.cache / f"v{version}.safetensors")
+            weights = load_file(path)
+            path.unlink()
         model = self.backend.model
         dtype = next(model.parameters()).dtype
-        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in load_file(path).items()}
+        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in weights.items()}
         model.load_state_dict(state, strict=True)
-        path.unlink()
         self.held = (version, info.sha256)
         log.info("%s: now holds version %d", self.name, version)
         return time.perf_counter() - t0
 
-    def work(self, sampler_id: str, jobs: list[Job], latest: int) -> None:
+    def work(self, sampler_id: str, jobs: list[Job], reply: LeaseReply) -> None:
         """Generate the leased jobs as one batch with one version, and push each group."""
         needed = {j.required_version for j in jobs}
         assert len(needed) == 1, f"one lease mixes required versions {needed}"
         (required,) = needed
-        download_s = self.ensure_version(latest if required is None else required)
+        download_s = self.ensure_version(
+            reply.latest_version if required is None else required, reply.latest
+        )
         task = get_task(self.cfg.task.name)
         t0 = time.perf_counter()
         groups = rollout(
@@ -103,7 +115,7 @@ class Sampler:
             else:
                 self.pushed += 1
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-        self.client.heartbeat(sampler_id, self.version, tokens / gen_s)
+        self.tokens_per_s = tokens / gen_s  # told to the broker with the next lease
         if self.metrics:
             self.metrics.write(
                 {
@@ -128,17 +140,23 @@ class Sampler:
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
-                reply = self.client.lease(sampler_id, self.cfg.sampler.jobs_per_lease)
+                # A long poll: the broker answers as soon as jobs are admitted.
+                reply = self.client.lease(
+                    sampler_id,
+                    self.cfg.sampler.jobs_per_lease,
+                    self.cfg.sampler.lease_wait_s,
+                    self.version,
+                    self.tokens_per_s,
+                )
                 if reply.jobs:
-                    self.work(sampler_id, reply.jobs, reply.latest_version)
+                    self.work(sampler_id, reply.jobs, reply)
                     continue
-                stop.wait(self.cfg.sampler.idle_poll_s)
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 log.warning("%s: broker unavailable (%s); retrying", self.name, e)
                 stop.wait(2.0)
             except BrokerRejected as e:  # e.g. a version deleted by a resumed trainer
                 log.warning("%s: %s; leasing again", self.name, e)
-                stop.wait(self.cfg.sampler.idle_poll_s)
+                stop.wait(0.5)
             self.idle_s += time.perf_counter() - t0
         try:  # hand back what it will not finish, so nobody waits for the lease to expire
             self.client.leave(sampler_id)

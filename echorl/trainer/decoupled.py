@@ -18,8 +18,7 @@ it are forgotten, so every group is trained into the final model exactly once.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import os
 import threading
 import time
 from collections import Counter
@@ -27,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
-from safetensors.torch import save_file
+from safetensors.torch import save
 from transformers import PreTrainedModel
 
 from echorl.client import BrokerClient, BrokerRejected
@@ -48,9 +47,11 @@ class Publisher:
     trainer can pull its next batch while the last version is still on the wire (async).
     It has its own HTTP client: requests never interleave with the trainer's."""
 
-    def __init__(self, client: BrokerClient, folder: Path):
-        self.client, self.folder = client, folder
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+    def __init__(self, client: BrokerClient):
+        self.client = client
+        self.pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="publish", initializer=_pin_publisher
+        )
         self.pending: Future | None = None
         self.last_s = 0.0  # seconds the last finished upload took
 
@@ -61,10 +62,7 @@ class Publisher:
 
     def _publish(self, state: dict, version: int) -> float:
         t0 = time.perf_counter()
-        path = self.folder / f"v{version}.safetensors"
-        save_file(state, path, metadata={"format": "pt"})
-        self.client.publish(version, path)
-        path.unlink()
+        self.client.publish(version, save(state, metadata={"format": "pt"}))
         return time.perf_counter() - t0
 
     def wait(self) -> None:
@@ -77,21 +75,29 @@ class Publisher:
         self.wait()
         self.pool.shutdown()
         self.client.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _pin_publisher() -> None:
+    """Run the upload thread on the cores named by $ECHORL_PUBLISH_CPUS (e.g. "1" or "2,3"),
+    away from the training thread's; `echorl run` sets it when it pins the roles to cores."""
+    cpus = os.environ.get("ECHORL_PUBLISH_CPUS")
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # 0: this thread (Linux)
 
 
 def collect(
-    client: BrokerClient, n: int, step: int, stop: threading.Event, poll: float = 0.02
+    client: BrokerClient, n: int, step: int, stop: threading.Event, wait_s: float = 1.0
 ) -> tuple[list[PulledGroup] | None, dict]:
     """Pull until `n` groups are in hand, sorted by job id (so the batch does not depend on
-    arrival order); None if `stop` was set first. Also returns the idle time and stale drops."""
+    arrival order); None if `stop` was set first. Each pull is a long poll that the broker
+    answers as soon as groups are pushed. Also returns the idle time and stale drops."""
     groups, dropped, t0 = [], 0, time.perf_counter()
     while len(groups) < n:
-        reply = client.pull(n - len(groups), step)
+        if stop.is_set():
+            return None, {}
+        reply = client.pull(n - len(groups), step, wait_s)
         groups += reply.groups
         dropped += reply.dropped_stale
-        if len(groups) < n and stop.wait(poll):
-            return None, {}
     groups.sort(key=lambda p: p.group.job_id)
     return groups, {
         "trainer/idle_s": time.perf_counter() - t0,
@@ -152,7 +158,7 @@ class DecoupledTrainer:
         self.step = 0
         self.consumed: list[int] = []
         self.last_swarm: dict[str, float] = {}
-        self.publisher = Publisher(client.clone(), Path(tempfile.mkdtemp(prefix="echorl-")))
+        self.publisher = Publisher(client.clone())
 
     def start(self, resume: bool) -> None:
         """Load the policy (or the last checkpoint), and bring the broker to the same point."""

@@ -152,11 +152,21 @@ def test_sync_pull_takes_exactly_one_version(s):
 
 
 def test_async_pull_drops_too_stale_groups_and_takes_the_freshest(s):
-    fill(s, [0, 1, 2, 3, 3])
+    fill(s, [0, 1, 3, 3, 4])
     groups, dropped = s.pull(2, now=2, lease_seconds=10, min_version=2)
-    assert [g.group.version for g in groups] == [3, 3]
+    assert [g.group.version for g in groups] == [4, 3]
     assert dropped == 2
     assert s.counts()["rollouts"] == {"pulled": 2, "ready": 1, "stale": 2}
+
+
+def test_async_pull_takes_groups_at_the_bound_before_fresher_ones(s):
+    """A group of version step - max_staleness is usable now and never again: it goes first,
+    so that nothing admitted is generated for nothing."""
+    fill(s, [2, 4, 3, 2, 4])
+    groups, _ = s.pull(3, now=2, lease_seconds=10, min_version=2)
+    assert [g.group.version for g in groups] == [2, 2, 4]
+    groups, dropped = s.pull(2, now=2, lease_seconds=10, min_version=3)
+    assert [g.group.version for g in groups] == [3, 4] and dropped == 0
 
 
 def test_pulled_groups_come_back_if_not_acked_and_are_consumed_once(s):
