@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -78,8 +78,8 @@ class Bell:
         self.event = asyncio.Event()
 
     async def poll(self, wait_s: float, attempt: Callable[[], T], found: Callable[[T], bool]) -> T:
-        """Run `attempt` (blocking, on a worker thread) until `found(result)` or `wait_s` has
-        passed, trying again after each ring; the last result either way."""
+        """Run `attempt` (blocking, on a worker thread) until `found(result)`, trying again after
+        each ring; after `wait_s` without a ring, the last result stands."""
         deadline = time.monotonic() + wait_s
         while True:
             rung = self.event  # taken before the attempt: a ring during it is not missed
@@ -87,8 +87,10 @@ class Bell:
             left = deadline - time.monotonic()
             if found(result) or left <= 0:
                 return result
-            with suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(rung.wait(), left)
+            except TimeoutError:
+                return result
 
 
 def _tokens(cfg: RunConfig) -> dict[str, str]:

@@ -150,7 +150,7 @@ def launch(
     }
     split = core_split(cfg)
     trainer_cores, other_cores = split or (None, None)
-    trainer_env = env if split is None else env | {"ECHORL_PUBLISH_CPUS": _cpu_list(other_cores)}
+    trainer_env = env if split is None else env | {"ECHORL_IO_CPUS": _cpu_list(other_cores)}
     if split:
         console.print(
             f"cores: trainer {_cpu_list(trainer_cores)}; broker, samplers, uploads "

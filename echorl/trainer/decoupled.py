@@ -50,7 +50,7 @@ class Publisher:
     def __init__(self, client: BrokerClient):
         self.client = client
         self.pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="publish", initializer=_pin_publisher
+            max_workers=1, thread_name_prefix="publish", initializer=pin_io_thread
         )
         self.pending: Future | None = None
         self.last_s = 0.0  # seconds the last finished upload took
@@ -77,12 +77,17 @@ class Publisher:
         self.client.close()
 
 
-def _pin_publisher() -> None:
-    """Run the upload thread on the cores named by $ECHORL_PUBLISH_CPUS (e.g. "1" or "2,3"),
-    away from the training thread's; `echorl run` sets it when it pins the roles to cores."""
-    cpus = os.environ.get("ECHORL_PUBLISH_CPUS")
+def pin_io_thread() -> None:
+    """Run the calling thread (uploads, prefetches) on the cores named by $ECHORL_IO_CPUS
+    (e.g. "1" or "2,3"), away from the training thread's; `echorl run` sets it when it pins
+    the roles to cores."""
+    cpus = os.environ.get("ECHORL_IO_CPUS")
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # 0: this thread (Linux)
+
+
+def _cpus(cores) -> str:
+    return ",".join(map(str, sorted(cores)))
 
 
 def collect(
@@ -159,6 +164,12 @@ class DecoupledTrainer:
         self.consumed: list[int] = []
         self.last_swarm: dict[str, float] = {}
         self.publisher = Publisher(client.clone())
+        # async: the next batch is pulled on this thread while the current one trains.
+        self.prefetcher = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefetch", initializer=pin_io_thread
+        )
+        self.prefetch_client = client.clone()
+        self.next_batch: Future | None = None
 
     def start(self, resume: bool) -> None:
         """Load the policy (or the last checkpoint), and bring the broker to the same point."""
@@ -202,9 +213,21 @@ class DecoupledTrainer:
     def train_step(self, stop: threading.Event) -> dict | None:
         """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups."""
         cfg, step = self.cfg, self.step
-        pulled, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
+        if self.next_batch is not None:
+            t0 = time.perf_counter()
+            pulled, wait = self.next_batch.result()
+            wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left to wait
+            self.next_batch = None
+        else:
+            pulled, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
         if pulled is None:
             return None
+        if cfg.broker.mode == "async" and step + 1 < cfg.train.steps:
+            # Step s+1 takes staleness <= max_staleness relative to s+1 whenever it is pulled;
+            # pulling it now hides the wait and the transfer behind this step's training.
+            self.next_batch = self.prefetcher.submit(
+                collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
+            )
         groups = to_groups(pulled, cfg.task.name)
         t0 = time.perf_counter()
         metrics = update_policy(
@@ -273,6 +296,8 @@ class DecoupledTrainer:
                 self.checkpoint()
         self.checkpoint()
         self.publisher.close()
+        self.prefetcher.shutdown()  # a prefetch in flight sees `stop` (or its pull answers)
+        self.prefetch_client.close()
         self.log.close()
         if self.step == cfg.steps:
             self.model.save_pretrained(self.out / "policy")
@@ -290,5 +315,7 @@ def run_trainer(
     stop: threading.Event | None = None,
 ) -> Path:
     trainer = DecoupledTrainer(cfg, model_dir, client, console)
+    if hasattr(os, "sched_getaffinity"):
+        trainer.console.print(f"trainer on cores {_cpus(os.sched_getaffinity(0))}")
     trainer.start(resume)
     return trainer.run(stop or threading.Event())

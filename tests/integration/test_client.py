@@ -48,6 +48,43 @@ def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
         assert sampler.download(published, dest).read_bytes() == blob
         (tmp_path / "dl2.safetensors.part").write_bytes(b"garbage" * 1000)  # a corrupt one
         assert sampler.download(published, tmp_path / "dl2.safetensors").read_bytes() == blob
+        assert sampler.fetch(published) == blob  # the in-memory way, verified the same
+
+
+def test_lease_and_pull_are_long_polls_answered_by_a_publish_and_a_push(broker, tmp_path):
+    """A sampler waiting for admission gets jobs the moment the next version is out; a trainer
+    waiting for groups gets them the moment they are pushed. Without the wake-up both calls
+    would come back empty after their 10 s."""
+    url, _ = broker  # sync, B = 16: one batch of jobs per published version
+    (tmp_path / "w").write_bytes(b"v0")
+    (tmp_path / "w1").write_bytes(b"v1")
+    with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as sampler:
+        trainer.publish(0, tmp_path / "w")
+        sid = sampler.register(SamplerInfo(name="poller"))
+        assert len(sampler.lease(sid, 16).jobs) == 16
+        assert sampler.lease(sid, 4, wait_s=0.2).jobs == []  # v0's batch is all out
+
+        waiting = {}
+        lease = threading.Thread(
+            target=lambda: waiting.update(reply=sampler.clone().lease(sid, 4, wait_s=10.0))
+        )
+        lease.start()
+        time.sleep(0.3)
+        v1 = trainer.publish(1, tmp_path / "w1")
+        lease.join()
+        reply = waiting["reply"]
+        assert [j.required_version for j in reply.jobs] == [1] * 4
+        assert reply.latest == v1  # the digest comes with the jobs: no describe needed
+
+        pull = threading.Thread(
+            target=lambda: waiting.update(pulled=trainer.clone().pull(2, 1, wait_s=10.0))
+        )
+        pull.start()
+        time.sleep(0.3)
+        sampler.push_many(sid, [group(j.job_id, version=1) for j in reply.jobs[:2]])
+        pull.join()
+        pulled = waiting["pulled"].groups
+        assert sorted(g.group.job_id for g in pulled) == [j.job_id for j in reply.jobs[:2]]
 
 
 def test_client_retries_until_the_broker_comes_up(tmp_path):

@@ -3,6 +3,7 @@
 Both protocols hold end to end, both learn, and async with max_staleness = 0 is sync.
 """
 
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -62,6 +63,11 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
     assert last > first, (first, last)
     for png in ("reward_curve.png", "reward_vs_time.png", "staleness.png"):
         assert (out / png).stat().st_size > 10_000
+    # On two or more cores the trainer computes on its own (launch.pin_cores).
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        assert f"trainer on cores {cores[0]}\n" in (out / "logs" / "trainer.log").read_text()
+        assert f"cores: trainer {cores[0]}; broker, samplers, uploads" in shown
 
 
 def test_async_with_staleness_zero_reproduces_sync(tmp_path, warm_add):

@@ -1,7 +1,10 @@
+import os
+
 import pytest
 import torch
 
 from echorl.config import ConfigError, RunConfig, load_config
+from echorl.launch.local import core_split
 from echorl.trainer.batch import Sequence, collate
 
 
@@ -65,3 +68,14 @@ def test_bad_files_are_reported(tmp_path):
     (tmp_path / "bad.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="core pinning is Linux's")
+def test_core_split_gives_the_trainer_its_own_cores_when_there_are_any_left():
+    cores = os.sched_getaffinity(0)
+    if len(cores) > 1:
+        trainer, rest = core_split(RunConfig())
+        assert len(trainer) == 1 and trainer.isdisjoint(rest) and trainer | rest == cores
+    assert core_split(RunConfig.model_validate({"launch": {"pin_cores": False}})) is None
+    every = RunConfig.model_validate({"launch": {"trainer_threads": len(cores)}})
+    assert core_split(every) is None  # nothing left for the samplers: no pinning
