@@ -331,6 +331,11 @@ def trainer(
     resume: bool = typer.Option(
         False, help="continue from the latest checkpoint in the output folder"
     ),
+    io_cpus: str = typer.Option(
+        None,
+        help="Linux: cores for the upload and prefetch threads, e.g. 1 or 2,3 (echorl run "
+        "keeps them off the training cores)",
+    ),
     config: Path = CONFIG,
     override: list[str] = OVERRIDE,
 ) -> None:
@@ -340,6 +345,7 @@ def trainer(
     if cfg.model.path is None:
         console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
         raise typer.Exit(2)
+    cpus = _cpu_set(io_cpus)
     _quiet_transformers()
     _threads(cfg)
     from echorl.client import BrokerClient, BrokerError
@@ -349,13 +355,21 @@ def trainer(
     url = broker_url or cfg.broker.address
     try:
         with BrokerClient(url, token, retries=10) as client:
-            folder = run_trainer(cfg, cfg.model.path, client, console, resume, stop)
+            folder = run_trainer(cfg, cfg.model.path, client, console, resume, stop, cpus)
     except BrokerError as e:
         console.print(f"[red]broker {url}:[/red] {e}")
         raise typer.Exit(1) from None
     console.print(
         f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
     )
+
+
+def _cpu_set(text: str | None) -> set[int] | None:
+    try:
+        return None if text is None else {int(c) for c in text.split(",")}
+    except ValueError:
+        console.print(f"[red]--io-cpus:[/red] {text!r} is not a comma-separated list of cores")
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -51,16 +51,14 @@ class Swarm:
     samplers: list[subprocess.Popen] = field(default_factory=list)
     logs: list = field(default_factory=list)
 
-    def spawn(
-        self, name: str, *args: str, cpus: set[int] | None = None, env: dict | None = None
-    ) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, cpus: set[int] | None = None) -> subprocess.Popen:
         """Start `echorl ARGS` logging to logs/NAME.log, on the cores `cpus` (None: any)."""
         log = (self.out / "logs" / f"{name}.log").open("w")
         self.logs.append(log)
         return subprocess.Popen(
             [sys.executable, "-m", "echorl.cli", *args],
             preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
-            env=env or self.env,
+            env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
@@ -150,7 +148,6 @@ def launch(
     }
     split = core_split(cfg)
     trainer_cores, other_cores = split or (None, None)
-    trainer_env = env if split is None else env | {"ECHORL_IO_CPUS": _cpu_list(other_cores)}
     if split:
         console.print(
             f"cores: trainer {_cpu_list(trainer_cores)}; broker, samplers, uploads "
@@ -185,8 +182,8 @@ def launch(
             "trainer",
             *trainer_args,
             *(["--resume"] if resume else []),
+            *(["--io-cpus", _cpu_list(other_cores)] if split else []),
             cpus=trainer_cores,
-            env=trainer_env,
         )
         code = watch(swarm, cfg, console, stop)
     except KeyboardInterrupt:

@@ -7,10 +7,11 @@ The protocol decides which weights a batch of jobs needs: sync jobs carry
 weights); async jobs use the latest version the broker reported, re-checked
 between batches. Weights are swapped in place with `load_state_dict` between
 generations, never during one. A lease (`sampler.jobs_per_lease` jobs) is
-generated as one batch; a lease is a long poll (the broker answers as soon
-as a job is admitted, e.g. when a new version is out). A group the broker refuses (its lease ran out) is
-counted and dropped; a broker that is down is waited for. The loop knows
-nothing of training.
+generated as one batch. A lease is a long poll (the broker answers as soon
+as a job is admitted, e.g. when a new version is out) and a heartbeat (it
+reports the version held and the last batch's speed). A group the broker
+refuses (its lease ran out) is counted and dropped; a broker that is down is
+waited for. The loop knows nothing of training.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Sampler:
         self.cache, self.metrics = cache, metrics
         self.held: tuple[int, str] | None = None  # (version, sha256) of the weights in the backend
         self.pushed = self.rejected = 0
-        self.idle_s = 0.0  # waiting for admitted jobs since the last batch
+        self.idle_s = 0.0  # in leases, waiting for admitted jobs, since the last batch
         self.tokens_per_s: float | None = None  # of the last batch
         cache.mkdir(parents=True, exist_ok=True)
 
@@ -148,16 +149,15 @@ class Sampler:
                     self.version,
                     self.tokens_per_s,
                 )
+                self.idle_s += time.perf_counter() - t0
                 if reply.jobs:
                     self.work(sampler_id, reply.jobs, reply)
-                    continue
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 log.warning("%s: broker unavailable (%s); retrying", self.name, e)
                 stop.wait(2.0)
             except BrokerRejected as e:  # e.g. a version deleted by a resumed trainer
                 log.warning("%s: %s; leasing again", self.name, e)
                 stop.wait(0.5)
-            self.idle_s += time.perf_counter() - t0
         try:  # hand back what it will not finish, so nobody waits for the lease to expire
             self.client.leave(sampler_id)
         except BrokerUnavailable:

@@ -47,11 +47,9 @@ class Publisher:
     trainer can pull its next batch while the last version is still on the wire (async).
     It has its own HTTP client: requests never interleave with the trainer's."""
 
-    def __init__(self, client: BrokerClient):
+    def __init__(self, client: BrokerClient, cpus: set[int] | None = None):
         self.client = client
-        self.pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="publish", initializer=pin_io_thread
-        )
+        self.pool = io_thread_pool("publish", cpus)
         self.pending: Future | None = None
         self.last_s = 0.0  # seconds the last finished upload took
 
@@ -77,17 +75,16 @@ class Publisher:
         self.client.close()
 
 
-def pin_io_thread() -> None:
-    """Run the calling thread (uploads, prefetches) on the cores named by $ECHORL_IO_CPUS
-    (e.g. "1" or "2,3"), away from the training thread's; `echorl run` sets it when it pins
-    the roles to cores."""
-    cpus = os.environ.get("ECHORL_IO_CPUS")
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # 0: this thread (Linux)
+def io_thread_pool(name: str, cpus: set[int] | None) -> ThreadPoolExecutor:
+    """One worker thread for uploads or prefetches; on `cpus` when given (Linux), away from
+    the training thread's cores."""
 
+    def pin() -> None:
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread only (Linux)
 
-def _cpus(cores) -> str:
-    return ",".join(map(str, sorted(cores)))
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=pin if cpus else None
+    )
 
 
 def collect(
@@ -154,7 +151,14 @@ def swarm_metrics(client: BrokerClient) -> dict[str, float]:
 class DecoupledTrainer:
     """One trainer process: its model, optimiser, step and the job ids it has trained on."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str | Path, client: BrokerClient, console=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_dir: str | Path,
+        client: BrokerClient,
+        console=None,
+        io_cpus: set[int] | None = None,
+    ):
         self.cfg, self.client = cfg, client
         self.console = console or Console()
         self.out = Path(cfg.train.out_dir)
@@ -163,11 +167,9 @@ class DecoupledTrainer:
         self.step = 0
         self.consumed: list[int] = []
         self.last_swarm: dict[str, float] = {}
-        self.publisher = Publisher(client.clone())
+        self.publisher = Publisher(client.clone(), io_cpus)
         # async: the next batch is pulled on this thread while the current one trains.
-        self.prefetcher = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="prefetch", initializer=pin_io_thread
-        )
+        self.prefetcher = io_thread_pool("prefetch", io_cpus)
         self.prefetch_client = client.clone()
         self.next_batch: Future | None = None
 
@@ -313,9 +315,11 @@ def run_trainer(
     console: Console | None = None,
     resume: bool = False,
     stop: threading.Event | None = None,
+    io_cpus: set[int] | None = None,
 ) -> Path:
-    trainer = DecoupledTrainer(cfg, model_dir, client, console)
+    trainer = DecoupledTrainer(cfg, model_dir, client, console, io_cpus)
     if hasattr(os, "sched_getaffinity"):
-        trainer.console.print(f"trainer on cores {_cpus(os.sched_getaffinity(0))}")
+        cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        trainer.console.print(f"trainer on cores {cores}")
     trainer.start(resume)
     return trainer.run(stop or threading.Event())

@@ -97,6 +97,15 @@ def test_train_without_colocated_says_why(warm):
     assert proc.returncode == 2 and "--colocated" in proc.stdout
 
 
+def test_trainer_refuses_a_malformed_core_list(warm, tmp_path):
+    proc = echorl(
+        "trainer", "--broker", "http://127.0.0.1:9", "--model", str(warm), "--io-cpus", "1,x",
+        "--out", str(tmp_path / "t"), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--io-cpus" in proc.stdout
+    assert not (tmp_path / "t").exists()
+
+
 def test_eval_prints_accuracy(warm):
     assert "held-out greedy accuracy" in echorl("eval", "--model", str(warm), "--n", "8").stdout
     shown = echorl("eval", "--model", str(warm), "--n", "8", "--samples", "2").stdout
