@@ -430,7 +430,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
     @app.get("/v1/weights/{version}", dependencies=[sampler])
     def download(version: int = PathParam(ge=0, le=MAX_ID)) -> FileResponse:
         path = stored(version)
-        return FileResponse(
+        return WeightsResponse(
             path,
             media_type="application/octet-stream",
             headers={"X-Sha256": path.with_suffix(".sha256").read_text()},
@@ -447,6 +447,10 @@ def create_app(cfg: RunConfig) -> FastAPI:
         }
 
     return app
+
+
+class WeightsResponse(FileResponse):
+    chunk_size = 1 << 20  # weights are large: fewer, bigger writes than the default 64 KiB
 
 
 def _cast_safetensors(src: Path, dst: Path, dtype: str) -> str:
