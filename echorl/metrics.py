@@ -62,6 +62,29 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class MetricsTail:
+    """Follows a metrics file as it grows: each `read()` returns the records appended since
+    the last one (whole lines only), so watching a long run costs nothing per refresh.
+    A file rewritten shorter (a resumed run drops what it logged after its checkpoint) is
+    read again from the start, and `restarted` says so."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.restarted = path, 0, False
+
+    def read(self) -> list[dict]:
+        self.restarted = False
+        if not self.path.is_file():
+            return []
+        if self.path.stat().st_size < self.offset:
+            self.offset, self.restarted = 0, True
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(whole)
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
+
+
 def _moving_average(xs: list[float], window: int) -> list[float]:
     out, acc = [], 0.0
     for i, x in enumerate(xs):

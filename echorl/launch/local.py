@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from echorl.config import RunConfig
-from echorl.metrics import plot_run, read_metrics
+from echorl.metrics import MetricsTail, plot_run, read_metrics
 
 
 @dataclass
@@ -200,6 +201,7 @@ def launch(
 def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
     """Refresh the live view until the trainer exits; returns its exit code."""
     dead: set[int] = set()
+    view = LiveView(swarm, cfg)
     with Live(console=console, refresh_per_second=2) as live:
         while swarm.trainer.poll() is None:
             if stop:
@@ -213,9 +215,9 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
                 if p.poll() is not None and k not in dead:
                     dead.add(k)
                     console.print(f"[yellow]sampler-{k} exited ({p.returncode}); the run goes on")
-            live.update(live_table(swarm, cfg))
+            live.update(view.table())
             time.sleep(0.5)
-        live.update(live_table(swarm, cfg))
+        live.update(view.table())
     console.print()
     code = swarm.trainer.returncode
     if code:
@@ -225,43 +227,68 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
     return code
 
 
-def live_table(swarm: Swarm, cfg: RunConfig) -> Table:
-    path = swarm.out / "metrics.jsonl"
-    records = [r for r in read_metrics(path) if "reward/mean" in r] if path.is_file() else []
-    last = records[-1] if records else {}
-    recent = [r["reward/mean"] for r in records[-10:]]
-    try:
-        st = httpx.get(
-            swarm.url + "/v1/status",
-            headers={"Authorization": f"Bearer {swarm.env['ECHORL_TRAINER_TOKEN']}"},
-            timeout=1.0,
-        ).json()
-        alive = [s for s in st["samplers"] if s["state"] == "alive"]
-        version = st["latest_version"]
-        speed = sum(s["tokens_per_s"] or 0 for s in alive)
-    except (httpx.HTTPError, ValueError, KeyError):
-        alive, version, speed = [], "?", 0.0
-    table = Table(title=f"echorl run ({cfg.broker.mode}, {cfg.task.name})")
-    for col in (
-        "step",
-        "reward (last 10)",
-        "version",
-        "staleness mean/max",
-        "samplers",
-        "tokens/s",
-        "trainer idle s",
-    ):
-        table.add_column(col)
-    table.add_row(
-        f"{last.get('step', 0)}/{cfg.train.steps}",
-        f"{sum(recent) / len(recent):.3f}" if recent else "-",
-        str(version),
-        f"{last['rollout/staleness_mean']:.2f}/{last['rollout/staleness_max']}" if last else "-",
-        f"{len(alive)}/{len(swarm.samplers)}",
-        f"{speed:.0f}",
-        f"{last['trainer/idle_s']:.2f}" if last else "-",
-    )
-    return table
+class LiveView:
+    """The live table: the trainer's newest metrics (followed, never re-read) and, every few
+    seconds, the broker's view of the swarm (a status call scans the broker's tables)."""
+
+    STATUS_EVERY_S = 2.0
+
+    def __init__(self, swarm: Swarm, cfg: RunConfig):
+        self.swarm, self.cfg = swarm, cfg
+        self.tail = MetricsTail(swarm.out / "metrics.jsonl")
+        self.last: dict = {}
+        self.recent: deque[float] = deque(maxlen=10)  # the last 10 steps' rewards
+        self.alive, self.version, self.speed = [], "?", 0.0
+        self.asked = float("-inf")
+
+    def update(self) -> None:
+        new = [r for r in self.tail.read() if "reward/mean" in r]
+        if self.tail.restarted:
+            self.last, self.recent = {}, deque(maxlen=10)
+        for r in new:
+            self.last = r
+            self.recent.append(r["reward/mean"])
+        if time.monotonic() - self.asked < self.STATUS_EVERY_S:
+            return
+        self.asked = time.monotonic()
+        try:
+            st = httpx.get(
+                self.swarm.url + "/v1/status",
+                headers={"Authorization": f"Bearer {self.swarm.env['ECHORL_TRAINER_TOKEN']}"},
+                timeout=1.0,
+            ).json()
+            self.alive = [s for s in st["samplers"] if s["state"] == "alive"]
+            self.version = st["latest_version"]
+            self.speed = sum(s["tokens_per_s"] or 0 for s in self.alive)
+        except (httpx.HTTPError, ValueError, KeyError):
+            self.alive, self.version, self.speed = [], "?", 0.0
+
+    def table(self) -> Table:
+        self.update()
+        last, recent, cfg = self.last, self.recent, self.cfg
+        table = Table(title=f"echorl run ({cfg.broker.mode}, {cfg.task.name})")
+        for col in (
+            "step",
+            "reward (last 10)",
+            "version",
+            "staleness mean/max",
+            "samplers",
+            "tokens/s",
+            "trainer idle s",
+        ):
+            table.add_column(col)
+        table.add_row(
+            f"{last.get('step', 0)}/{cfg.train.steps}",
+            f"{sum(recent) / len(recent):.3f}" if recent else "-",
+            str(self.version),
+            f"{last['rollout/staleness_mean']:.2f}/{last['rollout/staleness_max']}"
+            if last
+            else "-",
+            f"{len(self.alive)}/{len(self.swarm.samplers)}",
+            f"{self.speed:.0f}",
+            f"{last['trainer/idle_s']:.2f}" if last else "-",
+        )
+        return table
 
 
 def summarise(out: Path, console: Console) -> dict:

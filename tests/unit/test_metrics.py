@@ -1,6 +1,6 @@
 """Metrics files: JSONL rewritten on resume, TensorBoard event files, the run's PNG report."""
 
-from echorl.metrics import MetricsLog, plot_run, read_metrics
+from echorl.metrics import MetricsLog, MetricsTail, plot_run, read_metrics
 
 
 def record(step, stale):
@@ -40,3 +40,22 @@ def test_plot_run_draws_reward_time_and_staleness(tmp_path):
     paths = plot_run(records, tmp_path, "async")
     assert [p.name for p in paths] == ["reward_curve.png", "reward_vs_time.png", "staleness.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_tail_reads_only_new_whole_lines_and_restarts_after_a_rewrite(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read() == []  # no file yet
+    log = MetricsLog(path)
+    for s in range(1, 4):
+        log.write(record(s, [1]))
+    assert [r["step"] for r in tail.read()] == [1, 2, 3]
+    assert tail.read() == []
+    with path.open("a") as f:
+        f.write('{"step": 4, "reward/mean"')  # the trainer is mid-write
+    assert tail.read() == []
+    with path.open("a") as f:
+        f.write(": 0.5}\n")
+    assert tail.read() == [{"step": 4, "reward/mean": 0.5}] and not tail.restarted
+    MetricsLog(path, keep_through_step=2)  # a resume rewrites the file shorter
+    assert [r["step"] for r in tail.read()] == [1, 2] and tail.restarted
