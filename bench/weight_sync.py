@@ -4,8 +4,8 @@
 
 For each tiny-model preset (and, for the largest, samplers served bfloat16), a real
 `echorl broker` process on a loopback port receives `--versions` versions, each as
-the trainer publishes it: serialise the state dict in memory, upload (the broker
-hashes, fsyncs and stores it), then as a sampler fetches it: download into memory
+the trainer publishes it: snapshot the state dict and hash it as a safetensors
+stream (`serialise`), upload the stream (the broker hashes, fsyncs and stores it), then as a sampler fetches it: download into memory
 and verify, load in place. Medians per version. Loopback only: the network a real
 swarm crosses adds size / bandwidth on top.
 
@@ -28,10 +28,11 @@ import httpx
 import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from echorl.client import BrokerClient
 from echorl.models.tiny import build_tiny_model
+from echorl.trainer.weights import stream_safetensors
 
 
 def free_port() -> int:
@@ -68,9 +69,9 @@ def measure(preset: str, dtype: str, versions: int) -> dict:
                 for v in range(versions):
                     t0 = time.perf_counter()
                     state = {k: t.detach().clone() for k, t in trainer_model.state_dict().items()}
-                    blob = save(state, metadata={"format": "pt"})
+                    digest, size, chunks = stream_safetensors(state, {"format": "pt"})
                     t1 = time.perf_counter()
-                    info = client.publish(v, blob)
+                    info = client.publish_stream(v, digest, size, chunks)
                     t2 = time.perf_counter()
                     fetched = client.fetch(info)
                     t3 = time.perf_counter()
@@ -88,11 +89,11 @@ def measure(preset: str, dtype: str, versions: int) -> dict:
         "preset": preset,
         "params_m": sum(p.numel() for p in trainer_model.parameters()) / 1e6,
         "sampler_dtype": dtype,
-        "upload_mb": len(blob) / 1e6,
+        "upload_mb": size / 1e6,
         "download_mb": info.size_bytes / 1e6,
         **ms,
         "total_ms": total,
-        "upload_mb_per_s": len(blob) / 1e6 / (ms["publish_ms"] / 1000),
+        "upload_mb_per_s": size / 1e6 / (ms["publish_ms"] / 1000),
         "download_mb_per_s": info.size_bytes / 1e6 / (ms["fetch_ms"] / 1000),
     }
 

@@ -21,6 +21,7 @@ import io
 import random
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
@@ -252,26 +253,32 @@ class BrokerClient:
     def publish(self, version: int, weights: Path | bytes) -> WeightVersion:
         """Upload a safetensors file, or its bytes already in memory."""
         if isinstance(weights, bytes):
-            digest, size = hashlib.sha256(weights).hexdigest(), len(weights)
+            view = memoryview(weights)
 
-            def body():
-                view = memoryview(weights)
-                for i in range(0, size, CHUNK):
+            def slices():
+                for i in range(0, len(view), CHUNK):
                     yield view[i : i + CHUNK]
 
-        else:
-            digest, size = _sha256(weights), weights.stat().st_size
+            digest = hashlib.sha256(weights).hexdigest()
+            return self.publish_stream(version, digest, len(weights), slices)
 
-            def body():
-                with weights.open("rb") as f:
-                    while chunk := f.read(CHUNK):
-                        yield chunk
+        def read():
+            with weights.open("rb") as f:
+                while chunk := f.read(CHUNK):
+                    yield chunk
 
+        return self.publish_stream(version, _sha256(weights), weights.stat().st_size, read)
+
+    def publish_stream(
+        self, version: int, sha256: str, size: int, chunks: Callable[[], Iterable[bytes]]
+    ) -> WeightVersion:
+        """Upload `size` bytes hashing to `sha256`; `chunks()` yields them from the start
+        (called again on a retry)."""
         r = self._request(
             "PUT",
             f"/v1/weights/{version}",
-            content=body,  # a factory: every retry sends it from the start
-            headers={"X-Sha256": digest, "Content-Length": str(size)},
+            content=chunks,  # a factory: every retry sends it from the start
+            headers={"X-Sha256": sha256, "Content-Length": str(size)},
         )
         return WeightVersion.model_validate_json(r.content)
 

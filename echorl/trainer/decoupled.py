@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
-from safetensors.torch import save
 from transformers import PreTrainedModel
 
 from echorl.client import BrokerClient, BrokerRejected
@@ -40,6 +39,7 @@ from echorl.tasks import Problem, get_task
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
+from echorl.trainer.weights import stream_safetensors
 
 
 class Publisher:
@@ -60,7 +60,7 @@ class Publisher:
 
     def _publish(self, state: dict, version: int) -> float:
         t0 = time.perf_counter()
-        self.client.publish(version, save(state, metadata={"format": "pt"}))
+        self.client.publish_stream(version, *stream_safetensors(state, {"format": "pt"}))
         return time.perf_counter() - t0
 
     def wait(self) -> None:
