@@ -210,7 +210,7 @@ class BrokerClient:
 
     def fetch(self, version: WeightVersion) -> bytes:
         """`version`'s bytes, in memory, verified: for weights small enough to hold twice
-        (no file written and read back, no second pass to hash)."""
+        (no file written, then read back to hash and again to load)."""
         buf = io.BytesIO()
         for _ in range(self.retries + 1):
             if self._stream_weights(version.version, buf, buf.tell()):
@@ -250,24 +250,15 @@ class BrokerClient:
 
     # -- trainer role ---------------------------------------------------------------------------
 
-    def publish(self, version: int, weights: Path | bytes) -> WeightVersion:
-        """Upload a safetensors file, or its bytes already in memory."""
-        if isinstance(weights, bytes):
-            view = memoryview(weights)
-
-            def slices():
-                for i in range(0, len(view), CHUNK):
-                    yield view[i : i + CHUNK]
-
-            digest = hashlib.sha256(weights).hexdigest()
-            return self.publish_stream(version, digest, len(weights), slices)
+    def publish(self, version: int, path: Path) -> WeightVersion:
+        """Upload a safetensors file (the trainer streams its own: `publish_stream`)."""
 
         def read():
-            with weights.open("rb") as f:
+            with path.open("rb") as f:
                 while chunk := f.read(CHUNK):
                     yield chunk
 
-        return self.publish_stream(version, _sha256(weights), weights.stat().st_size, read)
+        return self.publish_stream(version, _sha256(path), path.stat().st_size, read)
 
     def publish_stream(
         self, version: int, sha256: str, size: int, chunks: Callable[[], Iterable[bytes]]

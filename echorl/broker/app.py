@@ -77,15 +77,15 @@ class Bell:
         self.event.set()  # wakes everyone waiting now; later waiters wait for the next ring
         self.event = asyncio.Event()
 
-    async def poll(self, wait_s: float, attempt: Callable[[], T], found: Callable[[T], bool]) -> T:
-        """Run `attempt` (blocking, on a worker thread) until `found(result)`, trying again after
-        each ring; after `wait_s` without a ring, the last result stands."""
+    async def poll(self, wait_s: float, attempt: Callable[[], T]) -> T:
+        """Run `attempt` (blocking, on a worker thread) until it returns something non-empty,
+        trying again after each ring; after `wait_s` without a ring, the last result stands."""
         deadline = time.monotonic() + wait_s
         while True:
             rung = self.event  # taken before the attempt: a ring during it is not missed
             result = await asyncio.to_thread(attempt)
             left = deadline - time.monotonic()
-            if found(result) or left <= 0:
+            if result or left <= 0:
                 return result
             try:
                 await asyncio.wait_for(rung.wait(), left)
@@ -242,7 +242,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
                 body.sampler_id, body.n, cfg.train.group_size, now, b.lease_seconds, admit=admit
             )
 
-        jobs = await jobs_bell.poll(body.wait_s, attempt, bool)
+        jobs = await jobs_bell.poll(body.wait_s, attempt)
         # Read after the lease: at least the version its admission budget was computed with.
         version = store.latest_version()
         return LeaseReply(jobs=jobs, latest_version=version, latest=_describe(version))
@@ -321,7 +321,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
             n_dropped += n
             return groups
 
-        groups = await groups_bell.poll(body.wait_s, attempt, bool)
+        groups = await groups_bell.poll(body.wait_s, attempt)
         dropped.inc(n_dropped)
         return PullReply(
             groups=[
