@@ -27,7 +27,7 @@ from safetensors.torch import load, load_file
 from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
-from echorl.protocol import Job, LeaseReply, SamplerInfo, WeightVersion
+from echorl.protocol import LeaseReply, SamplerInfo, WeightVersion
 from echorl.sampler.backends.hf import HFBackend
 from echorl.sampler.rollout import rollout, to_wire
 from echorl.seeding import derive_seed
@@ -84,8 +84,9 @@ class Sampler:
         log.info("%s: now holds version %d", self.name, version)
         return time.perf_counter() - t0
 
-    def work(self, sampler_id: str, jobs: list[Job], reply: LeaseReply) -> None:
+    def work(self, sampler_id: str, reply: LeaseReply) -> None:
         """Generate the leased jobs as one batch with one version, and push each group."""
+        jobs = reply.jobs
         needed = {j.required_version for j in jobs}
         assert len(needed) == 1, f"one lease mixes required versions {needed}"
         (required,) = needed
@@ -125,7 +126,7 @@ class Sampler:
                     "jobs": len(jobs),
                     "sampler/tokens": tokens,
                     "sampler/gen_s": gen_s,
-                    "sampler/tokens_per_s": tokens / gen_s,
+                    "sampler/tokens_per_s": self.tokens_per_s,
                     "sampler/download_s": download_s,
                     "sampler/idle_s": self.idle_s,
                     "sampler/rejected": self.rejected,
@@ -151,7 +152,7 @@ class Sampler:
                 )
                 self.idle_s += time.perf_counter() - t0
                 if reply.jobs:
-                    self.work(sampler_id, reply.jobs, reply)
+                    self.work(sampler_id, reply)
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 log.warning("%s: broker unavailable (%s); retrying", self.name, e)
                 stop.wait(2.0)
