@@ -165,27 +165,47 @@ def train(
 
 @app.command("eval")
 def evaluate_cmd(
-    model: Path = typer.Option(..., help="local HF model folder"),
-    task: str = typer.Option("add", help="task name"),
-    n: int = typer.Option(200, min=1, help="held-out problems"),
+    model: Path = typer.Option(None, help="local HF model folder (model.path)"),
+    task: str = typer.Option(None, help="task name (task.name)"),
+    n: int = typer.Option(None, min=1, help="held-out problems (train.eval_prompts)"),
     samples: int = typer.Option(
-        0, min=0, help="also sample this many answers per problem at temperature 1: pass@1"
+        None,
+        min=0,
+        help="also sample this many answers per problem at the sampling temperature: pass@1 "
+        "(train.eval_samples)",
     ),
-    seed: int = 0,
+    seed: int = typer.Option(None, help="seed of the held-out problems (task.seed)"),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
 ) -> None:
-    """Greedy accuracy on held-out problems (and sampled pass@1 with --samples)."""
-    cfg = _config(None, None, **{"task.name": task})
+    """Greedy accuracy on held-out problems (and sampled pass@1 with --samples), with the
+    run's settings (prompt format, max_new_tokens, temperature) from -c/-o."""
+    cfg = _config(
+        config,
+        override,
+        **{
+            "model.path": model,
+            "task.name": task,
+            "train.eval_prompts": n,
+            "train.eval_samples": samples,
+            "task.seed": seed,
+        },
+    )
+    if cfg.model.path is None:
+        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
+        raise typer.Exit(2)
     _quiet_transformers()
+    _threads(cfg)
     from echorl.models import load_policy
-    from echorl.sampler.backends.hf import HFBackend
+    from echorl.rollout.hf import HFBackend
     from echorl.tasks import get_task
-    from echorl.trainer.evaluate import evaluate
+    from echorl.trainer.colocated import held_out
 
-    backend = HFBackend(*load_policy(model))
-    result = evaluate(backend, get_task(cfg.task.name), n, seed, cfg.sampling, samples)
+    backend = HFBackend(*load_policy(cfg.model.path, cfg.model.device))
+    result = held_out(backend, get_task(cfg.task.name), cfg)
     shown = f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f}"
     if result.pass1 is not None:
-        shown += f", sampled pass@1 {result.pass1:.3f} ({samples} per problem)"
+        shown += f", sampled pass@1 {result.pass1:.3f} ({result.samples} per problem)"
     console.print(shown + f" (n={result.n})")
 
 
@@ -235,12 +255,12 @@ def broker(
     )
     import uvicorn
 
-    from echorl.broker.app import create_app
+    from echorl.broker.app import SetupError, create_app
 
     try:
         api = create_app(cfg)
-    except ValueError as e:
-        console.print(f"[red]broker:[/red] {e}")
+    except SetupError as e:
+        console.print(f"[red]broker: cannot serve this run:[/red] {e}")
         raise typer.Exit(2) from None
     if cfg.broker.insecure_no_auth:
         console.print(
@@ -300,10 +320,10 @@ def sampler(
     _quiet_transformers()
     import torch
 
-    from echorl.client import BrokerClient
+    from echorl.client import BrokerClient, BrokerRejected
     from echorl.metrics import MetricsLog
     from echorl.models import load_policy
-    from echorl.sampler.backends.hf import HFBackend
+    from echorl.rollout.hf import HFBackend
     from echorl.sampler.loop import Sampler
 
     if cfg.sampler.threads:
@@ -316,7 +336,11 @@ def sampler(
         log = MetricsLog(metrics) if metrics else None
         worker = Sampler(client, backend, cfg, name, Path(cache), log)
         console.print(f"{name}: sampling for {url}")
-        worker.run(stop)
+        try:
+            worker.run(stop)
+        except BrokerRejected as e:  # refused at registration: retrying cannot help
+            console.print(f"[red]{name}: the broker refused this sampler:[/red] {e.reason}")
+            raise typer.Exit(2) from None
     console.print(f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused)")
 
 
@@ -430,9 +454,7 @@ def status(
     except BrokerError as e:
         console.print(f"[red]--broker {broker_url}:[/red] {e}")
         raise typer.Exit(1) from None
-    console.print(
-        f"mode [bold]{st['mode']}[/bold]   latest version [bold]{st['latest_version']}[/bold]"
-    )
+    console.print(f"mode [bold]{st.mode}[/bold]   latest version [bold]{st.latest_version}[/bold]")
     table = Table(title="samplers")
     for col in (
         "id",
@@ -446,20 +468,24 @@ def status(
     ):
         table.add_column(col)
     now = time.time()
-    for s in st["samplers"]:
+    for s in st.samplers:
         table.add_row(
-            s["id"],
-            s["name"],
-            s["hardware"],
-            s["backend"],
-            str(s["version_held"]),
-            "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.0f}",
-            f"{now - s['last_seen']:.0f}",
-            s["state"],
+            s.id,
+            s.name,
+            s.hardware,
+            s.backend,
+            str(s.version_held),
+            "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
+            f"{now - s.last_seen:.0f}",
+            s.state,
         )
     console.print(table)
-    for key in ("jobs", "rollouts", "ready_by_version"):
-        console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in st[key].items()) or "none"))
+    for key, counts in (
+        ("jobs", st.jobs),
+        ("rollouts", st.rollouts),
+        ("ready_by_version", st.ready_by_version),
+    ):
+        console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,13 @@ from pathlib import Path
 import httpx
 
 from echorl.protocol import (
+    AckReply,
     AckRequest,
+    HeartbeatReply,
     HeartbeatRequest,
     LeaseReply,
     LeaseRequest,
+    LeaveReply,
     PullReply,
     PullRequest,
     PushManyReply,
@@ -41,8 +44,11 @@ from echorl.protocol import (
     RegisterReply,
     RewindReply,
     RewindRequest,
-    RolloutGroup,
+    RunInfo,
     SamplerInfo,
+    ScoredGroup,
+    StatusReply,
+    TrainerHello,
     WeightVersion,
 )
 
@@ -142,12 +148,13 @@ class BrokerClient:
         self, sampler_id: str, version_held: int | None = None, tokens_per_s: float | None = None
     ) -> int:
         body = HeartbeatRequest(version_held=version_held, tokens_per_s=tokens_per_s)
-        r = self._request("POST", f"/v1/samplers/{sampler_id}/heartbeat", json=body.model_dump())
-        return r.json()["latest_version"]
+        path = f"/v1/samplers/{sampler_id}/heartbeat"
+        return self._post(path, body, HeartbeatReply).latest_version
 
     def leave(self, sampler_id: str) -> int:
         """Leave the swarm; the broker re-queues this sampler's leased jobs at once."""
-        return self._request("POST", f"/v1/samplers/{sampler_id}/leave").json()["returned"]
+        r = self._request("POST", f"/v1/samplers/{sampler_id}/leave")
+        return LeaveReply.model_validate_json(r.content).returned
 
     def lease(
         self,
@@ -168,12 +175,12 @@ class BrokerClient:
         )
         return self._post("/v1/jobs/lease", body, LeaseReply)
 
-    def push(self, sampler_id: str, group: RolloutGroup) -> PushReply:
+    def push(self, sampler_id: str, group: ScoredGroup) -> PushReply:
         return self._post(
             "/v1/rollouts", PushRequest(sampler_id=sampler_id, group=group), PushReply
         )
 
-    def push_many(self, sampler_id: str, groups: list[RolloutGroup]) -> list[PushResult]:
+    def push_many(self, sampler_id: str, groups: list[ScoredGroup]) -> list[PushResult]:
         """Push several groups in one request (one broker transaction); one result each."""
         body = PushManyRequest(sampler_id=sampler_id, groups=groups)
         return self._post("/v1/rollouts/batch", body, PushManyReply).results
@@ -245,10 +252,18 @@ class BrokerClient:
             time.sleep(self.backoff)
             return True
 
-    def status(self) -> dict:
-        return self._request("GET", "/v1/status").json()
+    def status(self) -> StatusReply:
+        return StatusReply.model_validate_json(self._request("GET", "/v1/status").content)
+
+    def run_info(self) -> RunInfo:
+        """The run the broker serves: task, tokenizer fingerprint, protocol, batch shape."""
+        return RunInfo.model_validate_json(self._request("GET", "/v1/run").content)
 
     # -- trainer role ---------------------------------------------------------------------------
+
+    def hello(self, hello: TrainerHello) -> RunInfo:
+        """Announce the trainer's tokenizer and task; 409 (naming both) unless the run's."""
+        return self._post("/v1/trainer/hello", hello, RunInfo)
 
     def publish(self, version: int, path: Path) -> WeightVersion:
         """Upload a safetensors file (the trainer streams its own: `publish_stream`)."""
@@ -287,9 +302,9 @@ class BrokerClient:
         )
 
     def ack(self, job_ids: list[int], step: int) -> int:
-        return self._request(
-            "POST", "/v1/batches/ack", json=AckRequest(job_ids=job_ids, step=step).model_dump()
-        ).json()["consumed"]
+        return self._post(
+            "/v1/batches/ack", AckRequest(job_ids=job_ids, step=step), AckReply
+        ).consumed
 
 
 def _reason(r: httpx.Response) -> str:

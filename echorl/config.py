@@ -30,6 +30,11 @@ class ModelConfig(_Section):
     path: str | None = Field(
         None, description="local HF model folder; unset = build the tiny model"
     )
+    tokenizer: str | None = Field(
+        None,
+        description="folder with the run's tokenizer.json (for a broker that holds no weights); "
+        "unset = model.path's; both unset = the tiny model's byte tokenizer",
+    )
     preset: Literal["1m", "10m", "50m"] = Field(
         "1m", description="tiny-model size when `path` is unset"
     )
@@ -43,8 +48,10 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     name: str = Field(
         "add",
-        description="a key of echorl.tasks.TASKS, jsonl:PATH (math problems from a file, which "
-        "must exist on the broker and sampler machines) or rg:DATASET (reasoning-gym)",
+        description="a built-in task or environment (echorl.tasks.TASKS, ENVIRONMENTS), "
+        "jsonl:PATH (math problems from a file, which must exist on the broker and sampler "
+        "machines), rg:DATASET (reasoning-gym), or your own: module.path:Name or "
+        "file.py:Name (a Task or Environment class, factory or instance)",
     )
     seed: int = Field(0, ge=0, description="seed of the prompt stream")
     format_reward: float = Field(
@@ -62,8 +69,8 @@ class TaskConfig(_Section):
 
         try:
             get_task(name)
-        except KeyError as e:
-            raise ValueError(e.args[0]) from None
+        except (KeyError, ValueError) as e:
+            raise ValueError(e.args[0] if e.args else str(e)) from None
         return name
 
 
@@ -285,6 +292,13 @@ class LaunchConfig(_Section):
     )
     warm_up: bool = Field(
         True, description="when model.path is unset: warm the tiny model up (sft) before RL"
+    )
+    stall_timeout_s: float = Field(
+        300.0,
+        ge=5.0,
+        le=86400.0,
+        description="stop the run, with the reason, when no trainer step completes for this "
+        "long (the first step's clock starts when the trainer has published v0)",
     )
 
 

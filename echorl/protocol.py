@@ -8,8 +8,8 @@ imported everywhere, never redefined. Validation is in two layers:
   are finite and <= 0, ids are non-negative, sizes are bounded), so a malformed
   body is refused before it reaches any handler;
 - rules that need the broker's state (vocabulary size, the group size that was
-  leased, the latest published version) are `RolloutGroup.check_against`,
-  which raises `ProtocolError` with a reason the broker returns as a 4xx.
+  leased, the latest published version) are `ScoredGroup.check_against`,
+  which raises an error of the `ProtocolError` tree, whose `status` the broker answers with.
 """
 
 from __future__ import annotations
@@ -24,12 +24,57 @@ MAX_GROUP_SIZE = 1024
 MAX_COMPLETION_TOKENS = 32768
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no slashes, no dots first: safe in paths
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MAX_PROMPT_TOKENS = 1 << 17
+MAX_TASK_NAME = 4096  # a built-in name, jsonl:PATH, rg:DATASET or module:Name
 MAX_ID = 2**62  # ids, versions and steps fit SQLite's signed 64-bit integers
 Id = Annotated[int, Field(ge=0, le=MAX_ID)]
 
 
+# -- errors: one small tree, mapped to HTTP status codes by one handler in the broker ---------
+
+
 class ProtocolError(ValueError):
-    """A message is well-formed but not acceptable in the current state (the broker maps it to 4xx)."""
+    """A message is well-formed but not acceptable now: a state conflict (409). The broker
+    answers every error of this tree with its `status` and its message as the reason."""
+
+    status = 409
+
+
+class BadRequest(ProtocolError):
+    """A request the route cannot make sense of, e.g. an upload whose bytes do not hash to its
+    X-Sha256 (400)."""
+
+    status = 400
+
+
+class NotFound(ProtocolError):
+    """An unknown sampler, job or weight version (404)."""
+
+    status = 404
+
+
+class Unprocessable(ProtocolError):
+    """Content no state makes valid, e.g. a token id outside the vocabulary (422)."""
+
+    status = 422
+
+
+class TooLarge(ProtocolError):
+    """A body or upload over the configured limit (413)."""
+
+    status = 413
+
+
+class Unauthorized(ProtocolError):
+    """A missing or unknown bearer token (401)."""
+
+    status = 401
+
+
+class Forbidden(ProtocolError):
+    """A known token whose role may not call the route (403)."""
+
+    status = 403
 
 
 class Mode(str, Enum):
@@ -48,17 +93,50 @@ class SamplerInfo(_Wire):
     hardware: str = Field("", max_length=200, description="free text, e.g. 'cpu x2' or 'H200'")
     backend: Literal["hf", "vllm", "openai"] = "hf"
     max_batch: int = Field(64, ge=1, le=65536, description="most prompts it generates at once")
+    tokenizer: str = Field(
+        pattern=SHA256_PATTERN,
+        description="fingerprint of the sampler's tokenizer (RunTokenizer.fingerprint); the "
+        "broker refuses one that is not the run's",
+    )
+    task: str = Field(min_length=1, max_length=MAX_TASK_NAME, description="the task it runs")
+
+
+class TrainerHello(_Wire):
+    """trainer -> broker (at start): the trainer's tokenizer and task, refused unless the run's."""
+
+    tokenizer: str = Field(pattern=SHA256_PATTERN)
+    task: str = Field(min_length=1, max_length=MAX_TASK_NAME)
+    batch_prompts: int = Field(ge=1, le=65536)
+    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
+
+
+class RunInfo(_Wire):
+    """broker -> anyone: what the run is, as the broker was started with it."""
+
+    task: str
+    tokenizer: str
+    mode: Literal["sync", "async"]
+    max_staleness: int
+    batch_prompts: int
+    group_size: int
+    latest_version: int
 
 
 class Job(_Wire):
     """broker -> sampler (lease): one prompt to be answered `group_size` times."""
 
     job_id: int = Field(ge=0, le=MAX_ID)
-    task: str = Field(pattern=NAME_PATTERN)
+    task: str = Field(min_length=1, max_length=MAX_TASK_NAME)
     seed: int = Field(
         ge=0, le=2**63 - 1, description="the task's problem seed; the prompt follows from it"
     )
-    prompt: str = Field(max_length=1_000_000)
+    prompt: str = Field(max_length=1_000_000, description="the task's text, for people")
+    prompt_ids: list[Id] = Field(
+        min_length=1,
+        max_length=MAX_PROMPT_TOKENS,
+        description="the prompt as the run's tokenizer encodes it in the run's prompt format: "
+        "what the sampler generates from and the trainer trains on (nobody re-encodes)",
+    )
     group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
     required_version: int | None = Field(
         None, ge=0, description="sync mode: generate with exactly this version"
@@ -132,8 +210,12 @@ class Completion(_Wire):
         return turn_mask(len(self.token_ids), [(t.start, t.end) for t in self.turns])
 
 
-class RolloutGroup(_Wire):
-    """sampler -> broker (push) -> trainer (pull): a scored GRPO group for one job."""
+class ScoredGroup(_Wire):
+    """The one shape of a rollout: a GRPO group for one prompt, from the sampler's push to the
+    trainer's batch (and the co-located loop's, which makes it in process).
+
+    sampler -> broker (push): `rewards` are the sampler's own scores, kept only to compare;
+    broker -> trainer (pull): `rewards` are the broker's, recomputed where trust lives."""
 
     job_id: int = Field(ge=0, le=MAX_ID)
     version: int = Field(
@@ -141,14 +223,13 @@ class RolloutGroup(_Wire):
         le=MAX_ID,
         description="policy version that produced every token (the oldest, if several)",
     )
+    prompt_ids: list[Id] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     completions: list[Completion] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
-    claimed_rewards: list[float] | None = Field(
-        None, description="the sampler's own rewards, kept only to compare with the broker's"
-    )
+    rewards: list[float] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
     gen_seconds: float = Field(0.0, ge=0.0, le=86400.0)
 
     @model_validator(mode="after")
-    def _oldest_version(self) -> RolloutGroup:
+    def _oldest_version(self) -> ScoredGroup:
         versions = [t.version for c in self.completions for t in c.turns or []]
         if versions and min(versions) != self.version:
             raise ValueError(
@@ -158,23 +239,25 @@ class RolloutGroup(_Wire):
         return self
 
     @model_validator(mode="after")
-    def _claims_match(self) -> RolloutGroup:
-        if self.claimed_rewards is not None:
-            if len(self.claimed_rewards) != len(self.completions):
-                raise ValueError(
-                    f"{len(self.claimed_rewards)} claimed rewards for "
-                    f"{len(self.completions)} completions"
-                )
-            if not all(math.isfinite(r) for r in self.claimed_rewards):
-                raise ValueError("claimed rewards must be finite")
+    def _one_reward_each(self) -> ScoredGroup:
+        if len(self.rewards) != len(self.completions):
+            raise ValueError(f"{len(self.rewards)} rewards for {len(self.completions)} completions")
+        if not all(math.isfinite(r) for r in self.rewards):
+            raise ValueError("rewards must be finite")
         return self
 
-    def check_against(self, vocab_size: int, group_size: int, latest_version: int) -> None:
-        """The rules that need broker state; raises ProtocolError with the reason."""
-        if len(self.completions) != group_size:
+    def check_against(self, job: JobState, vocab_size: int, latest_version: int) -> None:
+        """The rules that need broker state (the job as leased, the vocabulary, the latest
+        version); raises the error of the tree that says what is wrong."""
+        if len(self.completions) != job.group_size:
             raise ProtocolError(
-                f"job {self.job_id} was leased with G = {group_size}, "
+                f"job {self.job_id} was leased with G = {job.group_size}, "
                 f"got {len(self.completions)} completions"
+            )
+        if self.prompt_ids != job.prompt_ids:
+            raise ProtocolError(
+                f"job {self.job_id}: prompt_ids are not the job's prompt (generate from the "
+                "ids the lease carried; never re-encode the text)"
             )
         newest = max([self.version, *(t.version for c in self.completions for t in c.turns or [])])
         if newest > latest_version:
@@ -184,7 +267,7 @@ class RolloutGroup(_Wire):
         for k, c in enumerate(self.completions):
             bad = max(c.token_ids)
             if bad >= vocab_size:
-                raise ProtocolError(
+                raise Unprocessable(
                     f"completions[{k}]: token id {bad} is outside the vocabulary "
                     f"(size {vocab_size})"
                 )
@@ -192,6 +275,13 @@ class RolloutGroup(_Wire):
     @property
     def tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
+
+
+class JobState(_Wire):
+    """What the broker checks a pushed group against: the job as it was leased."""
+
+    group_size: int
+    prompt_ids: list[int]
 
 
 class WeightVersion(_Wire):
@@ -208,6 +298,39 @@ class WeightVersion(_Wire):
 
 class RegisterReply(_Wire):
     sampler_id: str
+
+
+class HeartbeatReply(_Wire):
+    latest_version: int
+
+
+class LeaveReply(_Wire):
+    returned: int  # leased jobs handed back to the queue
+
+
+class AckReply(_Wire):
+    consumed: int  # groups newly consumed (re-acking is a no-op)
+
+
+class SamplerStatus(_Wire):
+    id: str
+    name: str
+    hardware: str
+    backend: str
+    max_batch: int
+    last_seen: float
+    version_held: int | None
+    tokens_per_s: float | None
+    state: Literal["alive", "lost", "left"]
+
+
+class StatusReply(_Wire):
+    mode: Literal["sync", "async"]
+    latest_version: int
+    samplers: list[SamplerStatus]
+    jobs: dict[str, int]  # by state
+    rollouts: dict[str, int]  # by state
+    ready_by_version: dict[int, int]
 
 
 class HeartbeatRequest(_Wire):
@@ -246,7 +369,7 @@ class LeaseReply(_Wire):
 
 class PushRequest(_Wire):
     sampler_id: str = Field(max_length=64)
-    group: RolloutGroup
+    group: ScoredGroup
 
 
 class PushReply(_Wire):
@@ -258,7 +381,7 @@ class PushManyRequest(_Wire):
     """sampler -> broker: several groups in one request, stored in one transaction."""
 
     sampler_id: str = Field(max_length=64)
-    groups: list[RolloutGroup] = Field(min_length=1, max_length=1024)
+    groups: list[ScoredGroup] = Field(min_length=1, max_length=1024)
 
 
 class PushResult(_Wire):
@@ -288,15 +411,8 @@ class PullRequest(_Wire):
     )
 
 
-class PulledGroup(_Wire):
-    group: RolloutGroup
-    rewards: list[float]  # the broker's own scores, the only rewards to train on
-    sampler_id: str
-    prompt: str  # the job's prompt, which the trainer prepends to every completion
-
-
 class PullReply(_Wire):
-    groups: list[PulledGroup]
+    groups: list[ScoredGroup]  # with the broker's rewards, the only ones to train on
     dropped_stale: int
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from echorl.protocol import Job, ProtocolError, RolloutGroup, SamplerInfo
+from echorl.protocol import Job, JobState, NotFound, ProtocolError, SamplerInfo, ScoredGroup
 from echorl.seeding import derive_seed
 from echorl.tasks import Problem, is_heldout
 
@@ -43,13 +43,13 @@ CREATE TABLE IF NOT EXISTS samplers (
     version_held INTEGER, tokens_per_s REAL, state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left')));
 CREATE TABLE IF NOT EXISTS jobs (
     job_id INTEGER PRIMARY KEY, task TEXT NOT NULL, seed INTEGER NOT NULL, prompt TEXT NOT NULL,
-    group_size INTEGER NOT NULL, required_version INTEGER,
+    prompt_ids TEXT NOT NULL, group_size INTEGER NOT NULL, required_version INTEGER,
     state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'done', 'parked')),
     lease_owner TEXT, lease_deadline REAL, attempts INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, job_id);
 CREATE TABLE IF NOT EXISTS rollouts (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), version INTEGER NOT NULL,
-    sampler_id TEXT NOT NULL, body TEXT NOT NULL, rewards TEXT NOT NULL, created_at REAL NOT NULL,
+    sampler_id TEXT NOT NULL, body TEXT NOT NULL, claimed TEXT NOT NULL, created_at REAL NOT NULL,
     state TEXT NOT NULL CHECK (state IN ('ready', 'pulled', 'consumed', 'stale')),
     pull_deadline REAL, pull_request TEXT, consumed_step INTEGER);
 CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
@@ -65,23 +65,8 @@ class Admission:
     pin_version: bool  # sync: every job carries required_version = the latest version
 
 
-@dataclass(frozen=True)
-class StoredGroup:
-    """A rollout group as the trainer pulls it: the sampler's group plus the broker's rewards."""
-
-    group: RolloutGroup
-    rewards: list[float]  # recomputed by the broker's verifier; the only rewards trained on
-    sampler_id: str
-    prompt: str
-
-
-def _stored(body: str, rewards: str, sampler_id: str, prompt: str) -> StoredGroup:
-    return StoredGroup(
-        RolloutGroup.model_validate_json(body), json.loads(rewards), sampler_id, prompt
-    )
-
-
 ProblemFn = Callable[[int], Problem]  # job seed -> problem (the task's own `problem`)
+EncodeFn = Callable[[str], list[int]]  # prompt text -> ids in the run's tokenizer and format
 
 
 class BrokerStore:
@@ -90,6 +75,7 @@ class BrokerStore:
         path: str | Path,
         task: str,
         problem: ProblemFn,
+        encode: EncodeFn,
         run_seed: int = 0,
         vocab_size: int = 1 << 20,
         synchronous: str = "NORMAL",
@@ -98,7 +84,7 @@ class BrokerStore:
         assert synchronous in ("NORMAL", "FULL"), (
             f"synchronous must be NORMAL or FULL, not {synchronous}"
         )
-        self.task, self.problem, self.run_seed = task, problem, run_seed
+        self.task, self.problem, self.encode, self.run_seed = task, problem, encode, run_seed
         self.vocab_size, self.max_attempts = vocab_size, max_attempts
         # One connection shared by the server's threads; the lock serialises its transactions.
         self.lock = threading.RLock()
@@ -169,7 +155,7 @@ class BrokerStore:
         def fn(c):
             row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
             if row is None:
-                raise ProtocolError(f"unknown sampler {sampler_id!r}; register first")
+                raise NotFound(f"unknown sampler {sampler_id!r}; register first")
             if row[0] == "left":
                 raise ProtocolError(f"sampler {sampler_id!r} has left; register again")
             c.execute(
@@ -190,7 +176,7 @@ class BrokerStore:
                 c.execute("UPDATE samplers SET state = 'left' WHERE id = ?", (sampler_id,)).rowcount
                 == 0
             ):
-                raise ProtocolError(f"unknown sampler {sampler_id!r}")
+                raise NotFound(f"unknown sampler {sampler_id!r}")
             return c.execute(
                 "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
                 "WHERE state = 'leased' AND lease_owner = ?",
@@ -225,6 +211,17 @@ class BrokerStore:
         return self._tx(fn)
 
     # -- jobs ---------------------------------------------------------------------------------
+
+    def first_job(self) -> tuple[Problem, list[int]]:
+        """Job 0's problem and prompt ids, made as a lease would make them (nothing stored):
+        the check, at start, that the task and the tokenizer can serve the run."""
+        _, problem = self._problem_for(0)
+        ids = self.encode(problem.prompt)
+        if not ids:
+            raise ValueError(f"the prompt {problem.prompt[:80]!r} encodes to no tokens")
+        if max(ids) >= self.vocab_size:
+            raise ValueError(f"its prompt encodes to id {max(ids)} >= vocab size {self.vocab_size}")
+        return problem, ids
 
     def _problem_for(self, job_id: int) -> tuple[int, Problem]:
         """The job's problem: a deterministic function of (run seed, job id), never held out."""
@@ -272,10 +269,11 @@ class BrokerStore:
             fresh = range(cursor, cursor + n - len(queued))
             for job_id in fresh:
                 seed, problem = self._problem_for(job_id)
+                ids = json.dumps(self.encode(problem.prompt))
                 c.execute(
-                    "INSERT INTO jobs (job_id, task, seed, prompt, group_size, state) "
-                    "VALUES (?, ?, ?, ?, ?, 'queued')",
-                    (job_id, self.task, seed, problem.prompt, group_size),
+                    "INSERT INTO jobs (job_id, task, seed, prompt, prompt_ids, group_size, state) "
+                    "VALUES (?, ?, ?, ?, ?, ?, 'queued')",
+                    (job_id, self.task, seed, problem.prompt, ids, group_size),
                 )
             c.execute("UPDATE meta SET value = ? WHERE key = 'cursor'", (fresh.stop,))
             ids = queued + list(fresh)
@@ -287,8 +285,9 @@ class BrokerStore:
                     "required_version = ? WHERE job_id = ?",
                     (sampler_id, deadline, required_version, job_id),
                 )
-                task, seed, prompt, g = c.execute(
-                    "SELECT task, seed, prompt, group_size FROM jobs WHERE job_id = ?", (job_id,)
+                task, seed, prompt, ids, g = c.execute(
+                    "SELECT task, seed, prompt, prompt_ids, group_size FROM jobs WHERE job_id = ?",
+                    (job_id,),
                 ).fetchone()
                 jobs.append(
                     Job(
@@ -296,6 +295,7 @@ class BrokerStore:
                         task=task,
                         seed=seed,
                         prompt=prompt,
+                        prompt_ids=json.loads(ids),
                         group_size=g,
                         required_version=required_version,
                         lease_deadline=deadline,
@@ -321,18 +321,18 @@ class BrokerStore:
         with self.lock:
             row = self.db.execute("SELECT seed FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         if row is None:
-            raise ProtocolError(f"unknown job {job_id}")
+            raise NotFound(f"unknown job {job_id}")
         return row[0]
 
     # -- rollouts (the replay buffer) ----------------------------------------------------------
 
-    def push(self, sampler_id: str, group: RolloutGroup, rewards: list[float], now: float) -> bool:
+    def push(self, sampler_id: str, group: ScoredGroup, rewards: list[float], now: float) -> bool:
         """Store `group` for a job the caller holds, durably. Returns False (and stores nothing)
         when the job's group was already stored: pushing twice is harmless."""
         return self._tx(lambda c: self._push_one(c, sampler_id, group, rewards, now))
 
     def push_many(
-        self, sampler_id: str, items: list[tuple[RolloutGroup, list[float]]], now: float
+        self, sampler_id: str, items: list[tuple[ScoredGroup, list[float]]], now: float
     ) -> list[bool | str]:
         """Store many groups in one transaction (one commit, one fsync). Each result is what
         `push` would say: True (stored), False (already stored) or the refusal's reason, in
@@ -350,24 +350,25 @@ class BrokerStore:
         return self._tx(fn)
 
     def _push_one(
-        self, c, sampler_id: str, group: RolloutGroup, rewards: list[float], now: float
+        self, c, sampler_id: str, group: ScoredGroup, rewards: list[float], now: float
     ) -> bool:
+        """Store `group` (its rewards are the sampler's claims) with the broker's `rewards`."""
         # Every check comes before the first write, so a refused group leaves no trace.
         row = c.execute(
-            "SELECT state, lease_owner, group_size, required_version FROM jobs WHERE job_id = ?",
+            "SELECT state, lease_owner, group_size, required_version, prompt_ids FROM jobs "
+            "WHERE job_id = ?",
             (group.job_id,),
         ).fetchone()
         if row is None:
-            raise ProtocolError(f"unknown job {group.job_id}")
-        state, owner, group_size, required = row
+            raise NotFound(f"unknown job {group.job_id}")
+        state, owner, group_size, required, prompt_ids = row
         if c.execute("SELECT 1 FROM rollouts WHERE job_id = ?", (group.job_id,)).fetchone():
             return False
         if state != "leased" or owner != sampler_id:
             raise ProtocolError(f"job {group.job_id} is not leased to sampler {sampler_id!r}")
         latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
-        group.check_against(
-            vocab_size=self.vocab_size, group_size=group_size, latest_version=latest
-        )
+        job = JobState(group_size=group_size, prompt_ids=json.loads(prompt_ids))
+        group.check_against(job, vocab_size=self.vocab_size, latest_version=latest)
         versions = {group.version} | {t.version for c in group.completions for t in c.turns or []}
         if required is not None and versions != {required}:
             raise ProtocolError(
@@ -380,8 +381,8 @@ class BrokerStore:
                 group.job_id,
                 group.version,
                 sampler_id,
-                group.model_dump_json(),
-                json.dumps(rewards),
+                group.model_copy(update={"rewards": rewards}).model_dump_json(),
+                json.dumps(group.rewards),
                 now,
             ),
         )
@@ -399,7 +400,7 @@ class BrokerStore:
         version: int | None = None,
         min_version: int = 0,
         request_id: str | None = None,
-    ) -> tuple[list[StoredGroup], int]:
+    ) -> tuple[list[ScoredGroup], int]:
         """Up to `n` ready groups for the trainer, leased until `now + lease_seconds`.
 
         sync: `version` = v takes exactly the groups of version v (older ones can never be
@@ -410,17 +411,14 @@ class BrokerStore:
         lost) gets the same groups again. Returns the groups and how many this call dropped."""
 
         def fn(c):
-            select = (
-                "SELECT r.job_id, body, rewards, sampler_id, prompt "
-                "FROM rollouts r JOIN jobs USING (job_id) "
-            )
+            select = "SELECT job_id, body FROM rollouts r "
             if request_id is not None:
                 rows = c.execute(
-                    select + "WHERE r.state = 'pulled' AND pull_request = ? ORDER BY r.job_id",
+                    select + "WHERE state = 'pulled' AND pull_request = ? ORDER BY job_id",
                     (request_id,),
                 ).fetchall()
                 if rows:
-                    return [_stored(*r[1:]) for r in rows], 0
+                    return [ScoredGroup.model_validate_json(r[1]) for r in rows], 0
             floor = min_version if version is None else version
             dropped = c.execute(
                 "UPDATE rollouts SET state = 'stale' WHERE state = 'ready' AND version < ?",
@@ -430,13 +428,13 @@ class BrokerStore:
                 # Groups at the bound first (next step they would be dropped: generated for
                 # nothing), then the freshest.
                 rows = c.execute(
-                    select + "WHERE r.state = 'ready' "
-                    "ORDER BY version = ? DESC, version DESC, r.job_id LIMIT ?",
+                    select + "WHERE state = 'ready' "
+                    "ORDER BY version = ? DESC, version DESC, job_id LIMIT ?",
                     (min_version, n),
                 )
             else:
                 rows = c.execute(
-                    select + "WHERE r.state = 'ready' AND version = ? ORDER BY r.job_id LIMIT ?",
+                    select + "WHERE state = 'ready' AND version = ? ORDER BY job_id LIMIT ?",
                     (version, n),
                 )
             rows = rows.fetchall()
@@ -445,7 +443,7 @@ class BrokerStore:
                 "WHERE job_id = ?",
                 [(now + lease_seconds, request_id, r[0]) for r in rows],
             )
-            return [_stored(*r[1:]) for r in rows], dropped
+            return [ScoredGroup.model_validate_json(r[1]) for r in rows], dropped
 
         return self._tx(fn)
 
@@ -460,7 +458,7 @@ class BrokerStore:
                     "SELECT state FROM rollouts WHERE job_id = ?", (job_id,)
                 ).fetchone()
                 if state is None:
-                    raise ProtocolError(f"job {job_id} has no stored group")
+                    raise NotFound(f"job {job_id} has no stored group")
                 if state[0] == "consumed":
                     continue
                 if state[0] != "pulled":

@@ -216,6 +216,10 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
                     dead.add(k)
                     console.print(f"[yellow]sampler-{k} exited ({p.returncode}); the run goes on")
             live.update(view.table())
+            stalled = time.monotonic() - view.progressed
+            if stalled > cfg.launch.stall_timeout_s:
+                console.print(stall_report(swarm, view, stalled), style="red", markup=False)
+                return 1
             time.sleep(0.5)
         live.update(view.table())
     console.print()
@@ -240,9 +244,13 @@ class LiveView:
         self.recent: deque[float] = deque(maxlen=10)  # the last 10 steps' rewards
         self.alive, self.version, self.speed = [], "?", 0.0
         self.asked = float("-inf")
+        self.progressed = time.monotonic()  # when the trainer last wrote a record
 
     def update(self) -> None:
-        new = [r for r in self.tail.read() if "reward/mean" in r]
+        records = self.tail.read()
+        if records:
+            self.progressed = time.monotonic()
+        new = [r for r in records if "reward/mean" in r]
         if self.tail.restarted:
             self.last, self.recent = {}, deque(maxlen=10)
         for r in new:
@@ -289,6 +297,23 @@ class LiveView:
             f"{last['trainer/idle_s']:.2f}" if last else "-",
         )
         return table
+
+
+def stall_report(swarm: Swarm, view: LiveView, stalled: float) -> str:
+    """Why the run is stopped for making no progress: where it stood, and each process's last
+    complaint (the broker's reasons reach the samplers' and trainer's logs)."""
+    step = view.last.get("step", 0)
+    lines = [
+        f"no trainer step for {stalled:.0f} s (launch.stall_timeout_s; last step {step}/"
+        f"{view.cfg.train.steps}, samplers alive {len(view.alive)}/{len(swarm.samplers)}): "
+        "stopping the run. Last words:"
+    ]
+    for log in sorted((swarm.out / "logs").glob("*.log")):
+        said = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+        loud = [x for x in said if any(w in x for w in ("ERROR", "WARNING", "rror", "refused"))]
+        for line in (loud or said)[-2:]:
+            lines.append(f"  {log.stem}: {line.strip()[:300]}")
+    return "\n".join(lines)
 
 
 def summarise(out: Path, console: Console) -> dict:

@@ -33,23 +33,25 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer with `AutoTokenizer`, guarding against a known transformers 5 trap.
+    """Load the folder's tokenizer exactly as its `tokenizer.json` says.
 
-    `AutoTokenizer` picks the tokenizer class from the model type, so a Qwen2
-    folder holding a character-level `tokenizer.json` gets Qwen2's byte-level
-    class, which silently drops spaces. When the loaded tokenizer does not round
-    trip a probe string, the folder's own `tokenizer.json` is loaded as is.
+    `tokenizer.json` is loaded as is with `PreTrainedTokenizerFast` (special tokens and
+    the chat template from `tokenizer_config.json`), which is also what the broker reads
+    with the `tokenizers` library, so every role gets the same ids. (`AutoTokenizer`
+    picks a class from the model type instead: on a Qwen2 folder holding a
+    character-level `tokenizer.json` it builds Qwen2's byte-level tokenizer, which
+    silently drops spaces.) A folder without `tokenizer.json` falls back on
+    `AutoTokenizer`; the broker cannot read such a tokenizer, so the decoupled roles
+    refuse it, the co-located loop can use it.
     """
     path = _check_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    ids = tokenizer(ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
-    if tokenizer.decode(ids) != ROUND_TRIP_PROBE and (path / "tokenizer.json").is_file():
-        log.warning(
-            "%s: %s does not round-trip text; loading tokenizer.json directly",
-            path,
-            type(tokenizer).__name__,
-        )
+    if (path / "tokenizer.json").is_file():
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    ids = tokenizer(ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids) != ROUND_TRIP_PROBE:
+        log.warning("%s: the tokenizer does not round-trip %r", path, ROUND_TRIP_PROBE)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation pads on the left

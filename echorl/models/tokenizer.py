@@ -1,24 +1,40 @@
-"""The built-in byte-level tokenizer, built locally with the `tokenizers` library.
+"""Tokenizers: the built-in byte-level one, and the run's tokenizer as every role holds it.
 
-One token per byte (256) plus two special tokens, so every task's alphabet (and
-any UTF-8 text) is covered and nothing is ever downloaded. It is a byte-level
-BPE with no merges, the same family as Qwen2's tokenizer, so that
-`AutoTokenizer.from_pretrained` on a saved Qwen2 model folder (which picks
-Qwen2's byte-level tokenizer class) reads it back with identical ids.
+The built-in tokenizer has one token per byte (256) plus two special tokens, so
+every task's alphabet (and any UTF-8 text) is covered and nothing is ever
+downloaded. It is a byte-level BPE with no merges, the same family as Qwen2's.
+
+`RunTokenizer` is the run's tokenizer as the `tokenizers` library holds it
+(no torch, no transformers): the broker loads it from the model folder's
+`tokenizer.json` to encode prompts, check token ids and decode completions for
+re-scoring; samplers and the trainer wrap the tokenizer they loaded with the
+model. Its `fingerprint` is what they compare at registration, so a sampler
+whose tokenizer is not the run's is refused instead of being scored as garbage.
+Prompts, in the `plain` or `chat` format, are encoded here and nowhere else.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from echorl.config import SamplingConfig
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN)  # ids 0 and 1
+# Encoded into the fingerprint: spaces, digits, newlines, non-ASCII and markup all show
+# how a tokenizer splits text, whatever its file format.
+PROBE = "a b  c\n\t12 + 34 = 46, 1234567. Ünïcødé 漢字 🙂 <answer>x</answer> \\boxed{1/2}"
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -44,3 +60,145 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         padding_side="left",
     )
+
+
+class TokenizerError(ValueError):
+    """The run's tokenizer cannot be loaded or cannot do what the run asks of it."""
+
+
+@dataclass(frozen=True)
+class RunTokenizer:
+    """The run's tokenizer: encode, decode, prompts in the run's format, and a fingerprint."""
+
+    tok: Tokenizer
+    eos_token: str
+    chat_template: str | None = None
+
+    @classmethod
+    def builtin(cls) -> RunTokenizer:
+        """The tiny model's byte tokenizer (a run with no `model.path`)."""
+        return cls(byte_tokenizer(), EOS_TOKEN)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> RunTokenizer:
+        """From a Hugging Face folder: `tokenizer.json`, with eos and the chat template from
+        `tokenizer_config.json` (or `chat_template.jinja`)."""
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerError(
+                f"{path} has no tokenizer.json (a fast tokenizer's file; slow-only tokenizers "
+                "are not supported: save the tokenizer with transformers to get one)"
+            )
+        tok = Tokenizer.from_file(str(file))
+        config = _read_json(path / "tokenizer_config.json")
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos is None:  # fall back on the model's config
+            eos_id = _read_json(path / "config.json").get("eos_token_id")
+            eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+            eos = tok.id_to_token(eos_id) if eos_id is not None else None
+        if eos is None or tok.token_to_id(eos) is None:
+            raise TokenizerError(f"{path}: no eos token the vocabulary knows ({eos!r})")
+        template = config.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(tok, eos, template)
+
+    @classmethod
+    def from_hf(cls, tokenizer: PreTrainedTokenizerBase) -> RunTokenizer:
+        """Wrap a loaded transformers tokenizer (a fast one: it has a `tokenizers` backend)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TokenizerError(f"{type(tokenizer).__name__} is not a fast tokenizer")
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        return cls(backend, tokenizer.eos_token, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self.tok.token_to_id(self.eos_token)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 of what decides every token id: the vocabulary (added tokens included), how
+        a probe text is split, the eos token and the chat template. Equal fingerprints, equal
+        ids; it does not depend on how the tokenizer file was written."""
+        vocab = sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        canon = {
+            "vocab": vocab,
+            "probe": self.encode(PROBE),
+            "eos": self.eos_token,
+            "chat_template": self.chat_template,
+        }
+        return hashlib.sha256(json.dumps(canon, ensure_ascii=False).encode()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, text: str, system: str | None = None) -> str:
+        """`text` as a user turn (after an optional system turn), with the generation prompt,
+        rendered by the chat template the way transformers renders it."""
+        if not self.chat_template:
+            raise TokenizerError(
+                "sampling.prompt_format = chat needs a tokenizer with a chat template; this one "
+                "has none (the built-in tiny model's byte tokenizer has none: use plain)"
+            )
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": text})
+        return self._compiled.render(
+            messages=messages,
+            add_generation_prompt=True,
+            eos_token=self.eos_token,
+            bos_token="",
+            pad_token="",
+        )
+
+    @cached_property
+    def _compiled(self):
+        return _compile(self.chat_template)
+
+    def encode_prompt(self, text: str, params: SamplingConfig) -> list[int]:
+        """A task's prompt text as token ids in the run's `sampling.prompt_format`."""
+        if params.prompt_format == "chat":
+            text = self.render_chat(text, params.system_prompt)
+        return self.encode(text)
+
+    def encode_prompts(self, texts: list[str], params: SamplingConfig) -> list[list[int]]:
+        return [self.encode_prompt(t, params) for t in texts]
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _compile(template: str):
+    """A chat template compiled in a sandbox with the helpers transformers gives templates."""
+    from datetime import datetime
+
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TokenizerError(f"chat template: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)

@@ -28,14 +28,15 @@ from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
 from echorl.protocol import LeaseReply, SamplerInfo, WeightVersion
-from echorl.sampler.backends.hf import HFBackend
-from echorl.sampler.rollout import rollout, to_wire
+from echorl.rollout.generate import rollout
+from echorl.rollout.hf import HFBackend
 from echorl.seeding import derive_seed
 from echorl.tasks import get_task
 
 log = logging.getLogger("echorl.sampler")
 
 IN_MEMORY_BYTES = 256 << 20  # weights up to this size are fetched into memory, not to disk
+OUTAGE_ALARM_S = 60.0  # a broker answering 5xx (or nothing) this long is reported loudly
 
 
 class Sampler:
@@ -99,16 +100,18 @@ class Sampler:
             self.backend,
             task,
             [task.problem(job.seed) for job in jobs],
+            [job.prompt_ids for job in jobs],  # as the broker encoded them: never re-encoded
             jobs[0].group_size,
             self.cfg.sampling,
             # One seed per lease: the same jobs leased the same way give the same tokens.
             seed=derive_seed(self.cfg.train.seed, "lease", *[j.job_id for j in jobs]),
             version=self.version,
             format_reward=self.cfg.task.format_reward,
+            job_ids=[job.job_id for job in jobs],
         )
         gen_s = time.perf_counter() - t0
-        wire = [to_wire(g, job.job_id, gen_s / len(jobs)) for job, g in zip(jobs, groups)]
-        for result in self.client.push_many(sampler_id, wire):
+        groups = [g.model_copy(update={"gen_seconds": gen_s / len(jobs)}) for g in groups]
+        for result in self.client.push_many(sampler_id, groups):
             if result.refused:  # the lease ran out, or a resumed trainer took the job back
                 self.rejected += 1
                 log.warning(
@@ -134,11 +137,21 @@ class Sampler:
             )
         self.idle_s = 0.0
 
-    def run(self, stop: threading.Event) -> None:
-        sampler_id = self.client.register(
-            SamplerInfo(name=self.name, hardware=_hardware(), backend=self.cfg.sampler.backend)
+    def info(self) -> SamplerInfo:
+        return SamplerInfo(
+            name=self.name,
+            hardware=_hardware(),
+            backend=self.cfg.sampler.backend,
+            tokenizer=self.backend.codec.fingerprint,
+            task=get_task(self.cfg.task.name).name,
         )
+
+    def run(self, stop: threading.Event) -> None:
+        """Lease, generate, push until `stop`. Raises BrokerRejected when the broker refuses
+        this sampler at registration (another tokenizer or task than the run's)."""
+        sampler_id = self.client.register(self.info())
         log.info("%s registered as %s", self.name, sampler_id)
+        outage = Outage(self.name)
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
@@ -151,10 +164,11 @@ class Sampler:
                     self.tokens_per_s,
                 )
                 self.idle_s += time.perf_counter() - t0
+                outage.over()
                 if reply.jobs:
                     self.work(sampler_id, reply)
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
-                log.warning("%s: broker unavailable (%s); retrying", self.name, e)
+                outage.failed(e)
                 stop.wait(2.0)
             except BrokerRejected as e:  # e.g. a version deleted by a resumed trainer
                 log.warning("%s: %s; leasing again", self.name, e)
@@ -165,6 +179,37 @@ class Sampler:
             log.warning("%s: could not tell the broker it left; its leases will expire", self.name)
         if self.metrics:
             self.metrics.close()
+
+
+class Outage:
+    """How long the broker has been failing: a warning per failure, and an error with the
+    broker's own reason once it has failed for `OUTAGE_ALARM_S` (then once a minute)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.since: float | None = None
+        self.alarmed_at = 0.0
+
+    def failed(self, e: BrokerUnavailable) -> None:
+        now = time.monotonic()
+        self.since = self.since or now
+        down = now - self.since
+        if down >= OUTAGE_ALARM_S and now - self.alarmed_at >= OUTAGE_ALARM_S:
+            self.alarmed_at = now
+            log.error(
+                "%s: THE BROKER HAS FAILED EVERY CALL FOR %.0f s; its last answer: %s. "
+                "Nothing is being generated; see the broker's log",
+                self.name,
+                down,
+                e,
+            )
+        else:
+            log.warning("%s: broker unavailable (%s); retrying", self.name, e)
+
+    def over(self) -> None:
+        if self.since is not None and time.monotonic() - self.since >= OUTAGE_ALARM_S:
+            log.warning("%s: the broker answers again", self.name)
+        self.since = None
 
 
 def _hardware() -> str:

@@ -1,10 +1,16 @@
 """Tasks: the `Task` protocol and the built-in procedural tasks, by name; also any
-`jsonl:PATH` (math problems from a file) and `rg:DATASET` (reasoning-gym).
+`jsonl:PATH` (math problems from a file), `rg:DATASET` (reasoning-gym), and your own
+task or environment by import path: `my_pkg.my_module:MyTask` or `path/to/file.py:MyTask`.
 
 from echorl.tasks import get_task
 task = get_task("add")
+task = get_task("examples/custom_task.py:SortDigits")
 """
 
+import importlib
+import importlib.util
+import inspect
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,10 +75,69 @@ def get_task(name: str) -> Task | Environment:
                 f"{name}: reasoning-gym has no dataset {task.dataset!r} ({e})"
             ) from None
         return task
+    if ":" in name:
+        return load_user_task(name)
     raise KeyError(
         f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}, environments "
-        f"{sorted(ENVIRONMENTS)}, or jsonl:PATH, rg:DATASET"
+        f"{sorted(ENVIRONMENTS)}, or jsonl:PATH, rg:DATASET, module.path:Name, file.py:Name"
     )
+
+
+def load_user_task(name: str) -> Task | Environment:
+    """`module.path:Name` or `file.py:Name`: a Task or Environment class (called with no
+    arguments), a factory function (likewise), or an instance. Modules are imported as
+    installed or from the working directory; files by path. ValueError says what is wrong."""
+    where, _, attr = name.rpartition(":")
+    if not where or not attr.isidentifier():
+        raise ValueError(f"{name!r}: a user task is module.path:Name or file.py:Name")
+    module = _import(where, name)
+    if not hasattr(module, attr):
+        raise ValueError(f"{name!r}: {where} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        try:
+            obj = obj()
+        except Exception as e:  # the user's constructor: its failure is the reason
+            raise ValueError(f"{name!r}: calling {attr}() raised {type(e).__name__}: {e}") from e
+    if is_environment(obj) or isinstance(obj, Task):
+        return obj
+    missing = [
+        m
+        for m in ("name", "max_new_tokens", "problem", "score", "demonstration")
+        if not hasattr(obj, m)
+    ]
+    raise ValueError(
+        f"{name!r}: {type(obj).__name__} is not a Task (it lacks {', '.join(missing)}) "
+        "nor an Environment; see echorl/tasks/base.py for both protocols"
+    )
+
+
+def _import(where: str, name: str):
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"{name!r}: no such file {where}")
+        key = f"echorl_user_task_{abs(hash(str(path.resolve())))}"
+        if key not in sys.modules:
+            spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[key]
+                raise ValueError(
+                    f"{name!r}: importing {where} raised {type(e).__name__}: {e}"
+                ) from e
+        return sys.modules[key]
+    if (
+        str(Path.cwd()) not in sys.path
+    ):  # modules in the working directory, as `python -m` finds them
+        sys.path.append(str(Path.cwd()))
+    try:
+        return importlib.import_module(where)
+    except ImportError as e:
+        raise ValueError(f"{name!r}: cannot import {where} ({e})") from e
 
 
 __all__ = [

@@ -4,26 +4,18 @@ Sequences are laid out right-padded as prompt + completion. Log-prob tensors
 are aligned with the *targets*: column t holds the log-prob of token t + 1
 given tokens 0..t, so they are one column shorter than `input_ids`. In a
 multi-turn episode the environment's tokens are part of the completion but
-carry no loss (`Sequence.mask`).
+carry no loss (`Completion.mask`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
-
-@dataclass
-class Sequence:
-    """One prompt + completion, as the trainer needs it."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    behaviour_logprobs: list[float]  # one per completion token
-    advantage: float
-    mask: list[int] | None = None  # 1 = model token, 0 = environment token (no loss); None = all 1
+from echorl.protocol import ScoredGroup
 
 
 @dataclass
@@ -62,27 +54,48 @@ class Batch:
         )
 
 
-def collate(seqs: list[Sequence], pad_id: int) -> Batch:
-    assert seqs, "cannot collate an empty batch"
-    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
-    n = len(seqs)
+def batch_from_groups(groups: list[ScoredGroup], advantages: torch.Tensor, pad_id: int) -> Batch:
+    """The trainer's batch, straight from scored groups: one row per completion, with
+    `advantages[i, j]` for completion j of group i."""
+    rows = [
+        Row(g.prompt_ids, c.token_ids, c.logprobs, c.mask, advantages[i, j].item())
+        for i, g in enumerate(groups)
+        for j, c in enumerate(g.completions)
+    ]
+    return collate(rows, pad_id)
+
+
+class Row(NamedTuple):
+    """One prompt + completion: the ids, the behaviour log-prob of each completion token, the
+    loss mask (1 = model token, 0 = environment token) and the row's advantage."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    mask: list[int]
+    advantage: float
+
+
+def collate(rows: list[Row], pad_id: int) -> Batch:
+    assert rows, "cannot collate an empty batch"
+    length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    n = len(rows)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros((n, length), dtype=torch.long)
     loss_mask = torch.zeros((n, length - 1))
     behaviour = torch.zeros((n, length - 1))
-    for i, s in enumerate(seqs):
-        assert len(s.behaviour_logprobs) == len(s.completion_ids), (
-            f"row {i}: {len(s.completion_ids)} completion tokens but {len(s.behaviour_logprobs)} log-probs"
+    for i, r in enumerate(rows):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        assert len(r.logprobs) == c == len(r.mask), (
+            f"row {i}: {c} completion tokens, {len(r.logprobs)} log-probs, a mask of {len(r.mask)}"
         )
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(r.prompt_ids + r.completion_ids)
         attention[i, : p + c] = 1
         # Completion token k sits at position p + k; its log-prob is in target column p + k - 1.
-        mask = torch.ones(c) if s.mask is None else torch.tensor(s.mask, dtype=torch.float32)
-        assert mask.numel() == c, f"row {i}: {c} completion tokens but a mask of {mask.numel()}"
+        mask = torch.tensor(r.mask, dtype=torch.float32)
         loss_mask[i, p - 1 : p - 1 + c] = mask
-        behaviour[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs) * mask
-    advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+        behaviour[i, p - 1 : p - 1 + c] = torch.tensor(r.logprobs) * mask
+    advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     return Batch(input_ids, attention, loss_mask, behaviour, advantages)
 
 

@@ -21,13 +21,14 @@ from transformers import PreTrainedModel
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
 from echorl.models import load_policy
-from echorl.sampler.backends.hf import HFBackend
-from echorl.sampler.rollout import Group, rollout
+from echorl.protocol import ScoredGroup
+from echorl.rollout.evaluate import EvalResult, evaluate
+from echorl.rollout.generate import rollout
+from echorl.rollout.hf import HFBackend
 from echorl.seeding import derive_seed
 from echorl.tasks import Task, get_task, take
 from echorl.tasks.base import success
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from echorl.trainer.evaluate import EvalResult, evaluate
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
@@ -44,7 +45,7 @@ def step_problems(task: Task, cfg: RunConfig, step: int):
     return take(task, cfg.train.batch_prompts, derive_seed(cfg.task.seed, "step", step))
 
 
-def reward_metrics(groups: list[Group]) -> dict[str, float]:
+def reward_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
     rewards = torch.tensor([g.rewards for g in groups])  # (B, G)
     tokens = [len(c.token_ids) for g in groups for c in g.completions]
     return {
@@ -74,10 +75,12 @@ def rl_step(
     backend: HFBackend, task: Task, cfg: RunConfig, step: int, opt, sched, ref_model
 ) -> dict:
     t0 = time.perf_counter()
+    problems = step_problems(task, cfg, step)
     groups = rollout(
         backend,
         task,
-        step_problems(task, cfg, step),
+        problems,
+        backend.codec.encode_prompts([p.prompt for p in problems], cfg.sampling),
         cfg.train.group_size,
         cfg.sampling,
         seed=derive_seed(cfg.train.seed, "sample", step),
@@ -86,7 +89,7 @@ def rl_step(
     )
     t1 = time.perf_counter()
     metrics = update_policy(
-        backend.model, backend.tokenizer, opt, sched, groups, cfg, step, ref_model
+        backend.model, backend.tokenizer.pad_token_id, opt, sched, groups, cfg, step, ref_model
     )
     t2 = time.perf_counter()
     tokens = sum(len(c.token_ids) for g in groups for c in g.completions)

@@ -32,10 +32,10 @@ from echorl.client import BrokerClient, BrokerRejected
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_run, read_metrics
 from echorl.models import load_policy
-from echorl.protocol import PulledGroup
-from echorl.sampler.backends.hf import Completion, HFBackend
-from echorl.sampler.rollout import Group
-from echorl.tasks import Problem, get_task
+from echorl.models.tokenizer import RunTokenizer
+from echorl.protocol import ScoredGroup, TrainerHello
+from echorl.rollout.hf import HFBackend
+from echorl.tasks import get_task
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
@@ -89,7 +89,7 @@ def io_thread_pool(name: str, cpus: set[int] | None) -> ThreadPoolExecutor:
 
 def collect(
     client: BrokerClient, n: int, step: int, stop: threading.Event, wait_s: float = 1.0
-) -> tuple[list[PulledGroup] | None, dict]:
+) -> tuple[list[ScoredGroup] | None, dict]:
     """Pull until `n` groups are in hand, sorted by job id (so the batch does not depend on
     arrival order); None if `stop` was set first. Each pull is a long poll that the broker
     answers as soon as groups are pushed. Also returns the idle time and stale drops."""
@@ -100,35 +100,14 @@ def collect(
         reply = client.pull(n - len(groups), step, wait_s)
         groups += reply.groups
         dropped += reply.dropped_stale
-    groups.sort(key=lambda p: p.group.job_id)
+    groups.sort(key=lambda g: g.job_id)
     return groups, {
         "trainer/idle_s": time.perf_counter() - t0,
         "broker/groups_dropped_stale": dropped,
     }
 
 
-def to_groups(pulled: list[PulledGroup], task_name: str) -> list[Group]:
-    return [
-        Group(
-            Problem(task_name, 0, p.prompt, ""),
-            [
-                Completion(
-                    c.token_ids,
-                    c.logprobs,
-                    "",
-                    c.finished,
-                    None if c.turns is None else [(t.start, t.end, t.version) for t in c.turns],
-                )
-                for c in p.group.completions
-            ],
-            p.rewards,
-            p.group.version,
-        )
-        for p in pulled
-    ]
-
-
-def staleness_metrics(groups: list[Group], step: int) -> dict:
+def staleness_metrics(groups: list[ScoredGroup], step: int) -> dict:
     stale = [step - g.version for g in groups]
     hist = Counter(stale)
     return {
@@ -141,10 +120,10 @@ def staleness_metrics(groups: list[Group], step: int) -> dict:
 
 def swarm_metrics(client: BrokerClient) -> dict[str, float]:
     """Samplers alive and their summed generation speed, as they last reported it."""
-    alive = [s for s in client.status()["samplers"] if s["state"] == "alive"]
+    alive = [s for s in client.status().samplers if s.state == "alive"]
     return {
         "samplers/alive": len(alive),
-        "samplers/tokens_per_s": sum(s["tokens_per_s"] or 0.0 for s in alive),
+        "samplers/tokens_per_s": sum(s.tokens_per_s or 0.0 for s in alive),
     }
 
 
@@ -178,6 +157,16 @@ class DecoupledTrainer:
         ckpt = latest_checkpoint(self.out / "checkpoints") if resume else None
         self.model, self.tokenizer = load_policy(
             ckpt / "policy" if ckpt else self.model_dir, self.cfg.model.device
+        )
+        # Refused (409, both fingerprints named) unless the broker runs this tokenizer and task.
+        t = self.cfg.train
+        self.client.hello(
+            TrainerHello(
+                tokenizer=RunTokenizer.from_hf(self.tokenizer).fingerprint,
+                task=self.task.name,
+                batch_prompts=t.batch_prompts,
+                group_size=t.group_size,
+            )
         )
         # The KL reference is the run's starting policy, also after a resume.
         self.ref_model = reference(self.model_dir, self.cfg)
@@ -217,12 +206,12 @@ class DecoupledTrainer:
         cfg, step = self.cfg, self.step
         if self.next_batch is not None:
             t0 = time.perf_counter()
-            pulled, wait = self.next_batch.result()
+            groups, wait = self.next_batch.result()
             wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left to wait
             self.next_batch = None
         else:
-            pulled, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
-        if pulled is None:
+            groups, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
+        if groups is None:
             return None
         if cfg.broker.mode == "async" and step + 1 < cfg.train.steps:
             # Step s+1 takes staleness <= max_staleness relative to s+1 whenever it is pulled;
@@ -230,13 +219,19 @@ class DecoupledTrainer:
             self.next_batch = self.prefetcher.submit(
                 collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
             )
-        groups = to_groups(pulled, cfg.task.name)
         t0 = time.perf_counter()
         metrics = update_policy(
-            self.model, self.tokenizer, self.opt, self.sched, groups, cfg, step, self.ref_model
+            self.model,
+            self.tokenizer.pad_token_id,
+            self.opt,
+            self.sched,
+            groups,
+            cfg,
+            step,
+            self.ref_model,
         )
         train_s = time.perf_counter() - t0
-        ids = [p.group.job_id for p in pulled]
+        ids = [g.job_id for g in groups]
         self.client.ack(ids, step)
         self.consumed += ids
         self.publisher.submit(self.model, step + 1)

@@ -13,9 +13,9 @@ from rich.progress import Progress
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import SamplingConfig, SFTConfig
-from echorl.models.prompts import encode_prompts
+from echorl.models.tokenizer import RunTokenizer
 from echorl.tasks import Environment, Task, is_environment, problem_stream
-from echorl.trainer.batch import Sequence, collate, token_logprobs
+from echorl.trainer.batch import Row, collate, token_logprobs
 
 
 def demonstration_batches(
@@ -27,20 +27,19 @@ def demonstration_batches(
     """Endless batches of prompt + demonstration + eos, loss on the answer and the eos; for an
     environment, prompt + demonstrated turns, loss on the actions only."""
     stream = problem_stream(task, cfg.seed, split="train")
-    eos = tokenizer.eos_token_id
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    codec = RunTokenizer.from_hf(tokenizer)
     while True:
         problems = [next(stream) for _ in range(cfg.batch_size)]
-        prompts = encode_prompts(tokenizer, [p.prompt for p in problems], params)
-        seqs = []
+        prompts = codec.encode_prompts([p.prompt for p in problems], params)
+        rows = []
         for p, prompt in zip(problems, prompts):
             if is_environment(task):
-                ids, mask = transcript(task.demonstration_turns(p), encode)
+                ids, mask = transcript(task.demonstration_turns(p), codec.encode)
             else:
-                ids = encode(task.demonstration(p)) + [eos]
-                mask = None
-            seqs.append(Sequence(prompt, ids, [0.0] * len(ids), 0.0, mask))
-        yield collate(seqs, tokenizer.pad_token_id)
+                ids = codec.encode(task.demonstration(p)) + [codec.eos_id]
+                mask = [1] * len(ids)
+            rows.append(Row(prompt, ids, [0.0] * len(ids), mask, 0.0))
+        yield collate(rows, tokenizer.pad_token_id)
 
 
 def transcript(turns: list[tuple[str, str]], encode) -> tuple[list[int], list[int]]:

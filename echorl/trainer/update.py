@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from echorl.config import OptimConfig, RunConfig
-from echorl.models.prompts import encode_prompts
-from echorl.sampler.rollout import Group
+from echorl.protocol import ScoredGroup
 from echorl.seeding import derive_seed
 from echorl.trainer.advantages import compute_advantages
-from echorl.trainer.batch import Batch, Sequence, collate, token_logprobs
+from echorl.trainer.batch import Batch, batch_from_groups, token_logprobs
 from echorl.trainer.losses import LOSSES, LossInputs
 
 
@@ -37,18 +36,9 @@ def build_scheduler(
     )
 
 
-def groups_to_batch(
-    groups: list[Group], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig
-) -> Batch:
+def groups_to_batch(groups: list[ScoredGroup], pad_id: int, cfg: RunConfig) -> Batch:
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (n_groups, G)
-    advantages = compute_advantages(rewards, cfg.advantage)
-    prompt_ids = encode_prompts(tokenizer, [g.problem.prompt for g in groups], cfg.sampling)
-    seqs = [
-        Sequence(prompt_ids[i], c.token_ids, c.logprobs, advantages[i, j].item(), c.mask)
-        for i, g in enumerate(groups)
-        for j, c in enumerate(g.completions)
-    ]
-    return collate(seqs, tokenizer.pad_token_id)
+    return batch_from_groups(groups, compute_advantages(rewards, cfg.advantage), pad_id)
 
 
 def train_on_batch(
@@ -116,10 +106,10 @@ def train_on_batch(
 
 def update_policy(
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    groups: list[Group],
+    groups: list[ScoredGroup],
     cfg: RunConfig,
     step: int,
     ref_model: PreTrainedModel | None = None,
@@ -131,7 +121,7 @@ def update_policy(
     informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
     if not informative:
         return {"optim/skipped": 1.0}
-    batch = groups_to_batch(informative, tokenizer, cfg)
+    batch = groups_to_batch(informative, pad_id, cfg)
     metrics = train_on_batch(
         model,
         optimizer,

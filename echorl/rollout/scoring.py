@@ -1,45 +1,40 @@
-"""The broker's own rewards: where trust lives. A sampler's claims are never used.
+"""Scoring a group from its token ids: the one function the broker (where trust lives),
+the sampler (its own claims) and evaluation all use, so they agree on every reward.
 
-Single-turn tasks: the task's verifier on the decoded completion. Multi-turn
-environments: the episode is replayed from the job's seed with the action texts
-decoded from the model's turns, in the broker's own copy of the environment;
-the observation tokens between turns must be exactly what the environment says,
-or the group is refused (a sampler cannot feed its model an easier game).
+Single-turn tasks: the task's verifier on the completion decoded by the run's
+tokenizer. Multi-turn environments: the episode is replayed from the problem's
+seed with the action texts decoded from the model's turns; the observation
+tokens between turns must be exactly what the environment says, or the group is
+refused (a sampler cannot feed its model an easier game).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, ProtocolError
-from echorl.tasks import Environment, Task, is_environment
+from echorl.tasks import Environment, Problem, Task, is_environment
 from echorl.tasks.base import reward
-
-Encode = Callable[[str], list[int]]
-Decode = Callable[[list[int]], str]
 
 
 def score_group(
     task: Task | Environment,
-    seed: int,
+    problem: Problem,
     completions: list[Completion],
-    encode: Encode,
-    decode: Decode,
+    codec: RunTokenizer,
     format_reward: float = 0.0,
 ) -> list[float]:
     if is_environment(task):
-        return [replay_episode(task, seed, c, encode, decode, k) for k, c in enumerate(completions)]
-    problem = task.problem(seed)
-    return [reward(task, problem, decode(c.token_ids), format_reward) for c in completions]
+        return [replay_episode(task, problem.seed, c, codec, k) for k, c in enumerate(completions)]
+    return [reward(task, problem, codec.decode(c.token_ids), format_reward) for c in completions]
 
 
 def replay_episode(
-    env: Environment, seed: int, c: Completion, encode: Encode, decode: Decode, k: int = 0
+    env: Environment, seed: int, c: Completion, codec: RunTokenizer, k: int = 0
 ) -> float:
     """The episode's return, replayed; ProtocolError if its transcript is not the game's."""
     if c.turns is None:
         raise ProtocolError(f"completions[{k}]: {env.name} is multi-turn; the turns are missing")
-    actions = [decode(c.token_ids[t.start : t.end]) for t in c.turns]
+    actions = [codec.decode(c.token_ids[t.start : t.end]) for t in c.turns]
     rewards, observations, _ = env.replay(seed, actions)
     if len(c.turns) > len(rewards):
         raise ProtocolError(
@@ -48,7 +43,7 @@ def replay_episode(
     ends = [t.start for t in c.turns[1:]] + [len(c.token_ids)]
     for n, (turn, nxt) in enumerate(zip(c.turns, ends)):
         between = c.token_ids[turn.end : nxt]
-        expected = [] if n == len(c.turns) - 1 else encode(observations[n])
+        expected = [] if n == len(c.turns) - 1 else codec.encode(observations[n])
         if between != expected:
             raise ProtocolError(
                 f"completions[{k}]: the tokens after turn {n} are not the environment's observation"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from echorl.config import SamplingConfig
-from echorl.sampler.backends.hf import HFBackend
-from echorl.sampler.rollout import rollout
+from echorl.rollout.generate import rollout
+from echorl.rollout.hf import HFBackend
 from echorl.tasks import Task, take
 from echorl.tasks.base import success
 
@@ -46,9 +46,10 @@ def evaluate(
     sampled: list[float] = []
     for i in range(0, n, chunk):
         part = problems[i : i + chunk]
-        rewards += [g.rewards[0] for g in rollout(backend, task, part, 1, greedy, seed=0)]
+        ids = backend.codec.encode_prompts([p.prompt for p in part], params)
+        rewards += [g.rewards[0] for g in rollout(backend, task, part, ids, 1, greedy, seed=0)]
         if samples:
-            groups = rollout(backend, task, part, samples, params, seed=seed + 1)
+            groups = rollout(backend, task, part, ids, samples, params, seed=seed + 1)
             sampled += [sum(map(success, g.rewards)) / samples for g in groups]
     return EvalResult(
         sum(map(success, rewards)) / n,

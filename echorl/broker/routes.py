@@ -1,0 +1,277 @@
+"""The broker's routes, on one APIRouter over the shared `BrokerState`.
+
+    sampler:  POST /v1/samplers (register), /v1/samplers/{id}/heartbeat, /v1/samplers/{id}/leave,
+              POST /v1/jobs/lease, /v1/rollouts, /v1/rollouts/batch,
+              GET /v1/weights/latest, /v1/versions/{v}, /v1/weights/{v} (download)
+    trainer:  POST /v1/trainer/hello, /v1/batches/pull, /v1/batches/ack, /v1/trainer/rewind,
+              PUT /v1/weights/{v} (publish)
+    anyone with a token: GET /v1/run, /v1/status;   no token: /healthz, /metrics
+
+Routes validate, authorise and delegate: state to `BrokerStore`, bytes to `WeightStore`,
+rewards to the task's verifier. Errors are raised from the `ProtocolError` tree and
+answered, with their status and reason, by one handler in `app.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse, PlainTextResponse
+from prometheus_client import generate_latest
+
+from echorl.broker.auth import SAMPLER, TRAINER
+from echorl.broker.state import BrokerState
+from echorl.protocol import (
+    MAX_ID,
+    AckReply,
+    AckRequest,
+    BadRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    LeaseReply,
+    LeaseRequest,
+    LeaveReply,
+    NotFound,
+    ProtocolError,
+    PullReply,
+    PullRequest,
+    PushManyReply,
+    PushManyRequest,
+    PushReply,
+    PushRequest,
+    PushResult,
+    RegisterReply,
+    RewindReply,
+    RewindRequest,
+    RunInfo,
+    SamplerInfo,
+    SamplerStatus,
+    StatusReply,
+    TrainerHello,
+    WeightVersion,
+)
+
+log = logging.getLogger("echorl.broker")
+router = APIRouter()
+SamplerId = PathParam(max_length=64)
+Version = PathParam(ge=0, le=MAX_ID)
+
+
+def state(request: Request) -> BrokerState:
+    return request.app.state.broker
+
+
+State = Depends(state)
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"ok": True}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def metrics(st: BrokerState = State) -> str:
+    return generate_latest(st.metrics.registry).decode()
+
+
+@router.get("/v1/run", dependencies=[SAMPLER])
+def run_info(st: BrokerState = State) -> RunInfo:
+    return st.run_info()
+
+
+# -- samplers ---------------------------------------------------------------------------------
+
+
+@router.post("/v1/samplers", dependencies=[SAMPLER])
+def register(info: SamplerInfo, st: BrokerState = State) -> RegisterReply:
+    st.check_peer("sampler", info.tokenizer, info.task)
+    return RegisterReply(sampler_id=st.store.register(info, time.time()))
+
+
+@router.post("/v1/samplers/{sampler_id}/heartbeat", dependencies=[SAMPLER])
+def heartbeat(
+    body: HeartbeatRequest, sampler_id: str = SamplerId, st: BrokerState = State
+) -> HeartbeatReply:
+    st.store.heartbeat(sampler_id, time.time(), body.version_held, body.tokens_per_s)
+    return HeartbeatReply(latest_version=st.store.latest_version())
+
+
+@router.post("/v1/samplers/{sampler_id}/leave", dependencies=[SAMPLER])
+def leave(sampler_id: str = SamplerId, st: BrokerState = State) -> LeaveReply:
+    returned = st.store.leave(sampler_id)
+    if returned:
+        st.jobs_bell.ring()
+    return LeaveReply(returned=returned)
+
+
+@router.post("/v1/jobs/lease", dependencies=[SAMPLER])
+async def lease(body: LeaseRequest, st: BrokerState = State) -> LeaseReply:
+    b, g = st.cfg.broker, st.cfg.train.group_size
+
+    def attempt():
+        now = time.time()
+        st.store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s)
+        return st.store.lease(body.sampler_id, body.n, g, now, b.lease_seconds, admit=st.admission)
+
+    jobs = await st.jobs_bell.poll(body.wait_s, attempt)
+    # Read after the lease: at least the version its admission budget was computed with.
+    version = st.store.latest_version()
+    return LeaseReply(jobs=jobs, latest_version=version, latest=st.stored_version(version))
+
+
+@router.post("/v1/rollouts", dependencies=[SAMPLER])
+def push(body: PushRequest, st: BrokerState = State) -> PushReply:
+    rewards = st.rescore(body.group)
+    stored = st.store.push(body.sampler_id, body.group, rewards, time.time())
+    if stored:
+        st.metrics.pushed.inc()
+        st.groups_bell.ring()
+    return PushReply(stored=stored, rewards=rewards)
+
+
+@router.post("/v1/rollouts/batch", dependencies=[SAMPLER])
+def push_many(body: PushManyRequest, st: BrokerState = State) -> PushManyReply:
+    """Many groups, one transaction; each is accepted or refused on its own."""
+    scored, results = [], {}
+    for group in body.groups:
+        try:
+            scored.append((group, st.rescore(group)))
+        except ProtocolError as e:  # an unknown job, a transcript that is not the game's
+            results[group.job_id] = PushResult(job_id=group.job_id, stored=False, refused=str(e))
+    outcome = st.store.push_many(body.sampler_id, scored, time.time())
+    for (group, rewards), ok in zip(scored, outcome):
+        refused = ok if isinstance(ok, str) else None
+        results[group.job_id] = PushResult(
+            job_id=group.job_id,
+            stored=ok is True,
+            rewards=None if refused else rewards,
+            refused=refused,
+        )
+    n_stored = sum(r.stored for r in results.values())
+    st.metrics.pushed.inc(n_stored)
+    if n_stored:
+        st.groups_bell.ring()
+    return PushManyReply(results=[results[g.job_id] for g in body.groups])
+
+
+# -- trainer ----------------------------------------------------------------------------------
+
+
+@router.post("/v1/trainer/hello", dependencies=[TRAINER])
+def hello(body: TrainerHello, st: BrokerState = State) -> RunInfo:
+    """The trainer's check at start: its tokenizer, task and batch shape are the run's."""
+    st.check_peer("trainer", body.tokenizer, body.task)
+    t = st.cfg.train
+    if (body.batch_prompts, body.group_size) != (t.batch_prompts, t.group_size):
+        raise ProtocolError(
+            f"the trainer's batch is {body.batch_prompts}x{body.group_size}, the broker's "
+            f"{t.batch_prompts}x{t.group_size} (train.batch_prompts x train.group_size): "
+            "give trainer and broker one config"
+        )
+    return st.run_info()
+
+
+@router.post("/v1/batches/pull", dependencies=[TRAINER])
+async def pull(body: PullRequest, st: BrokerState = State) -> PullReply:
+    b, batch = st.cfg.broker, st.cfg.train.batch_prompts
+    if body.n > batch:
+        raise ProtocolError(
+            f"pull of {body.n} groups, but this broker admits batches of "
+            f"train.batch_prompts = {batch}: give trainer and broker one config"
+        )
+    window = (
+        {"version": body.step} if b.mode == "sync" else {"min_version": body.step - b.max_staleness}
+    )
+    n_dropped = 0
+
+    def attempt():
+        nonlocal n_dropped
+        groups, n = st.store.pull(
+            body.n, time.time(), b.trainer_lease_seconds, request_id=body.request_id, **window
+        )
+        n_dropped += n
+        return groups
+
+    groups = await st.groups_bell.poll(body.wait_s, attempt)
+    st.metrics.dropped.inc(n_dropped)
+    return PullReply(groups=groups, dropped_stale=n_dropped)
+
+
+@router.post("/v1/batches/ack", dependencies=[TRAINER])
+def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
+    return AckReply(consumed=st.store.ack(body.job_ids, body.step))
+
+
+@router.post("/v1/trainer/rewind", dependencies=[TRAINER])
+def rewind(body: RewindRequest, st: BrokerState = State) -> RewindReply:
+    keep = body.step if st.weights.has(body.step) else body.step - 1
+    reply = RewindReply(**st.store.rewind(body.step, set(body.consumed), keep))
+    st.weights.forget_after(reply.latest_version)
+    st.metrics.latest.set(reply.latest_version)
+    st.jobs_bell.ring()
+    st.groups_bell.ring()
+    log.warning("trainer resumed at step %d: %s", body.step, reply)
+    return reply
+
+
+@router.put("/v1/weights/{version}", dependencies=[TRAINER])
+async def publish(
+    request: Request, version: int = Version, st: BrokerState = State
+) -> WeightVersion:
+    sha256 = request.headers.get("x-sha256", "")
+    if len(sha256) != 64:
+        raise BadRequest("header X-Sha256 with the upload's hex sha256 is required")
+    latest = st.store.latest_version()
+    if version == latest and st.weights.is_stored_upload(version, sha256):
+        return st.weights.describe(version)  # a retry whose first answer was lost: stored
+    if version != latest + 1:
+        raise ProtocolError(f"version {version} is not the next one (latest is {latest})")
+    await st.weights.receive(version, sha256, request.stream())
+    st.store.set_latest_version(version)
+    st.metrics.latest.set(version)
+    st.jobs_bell.ring()  # a new version admits more jobs
+    st.weights.retain(version, st.store.referenced_versions())
+    return st.weights.describe(version)
+
+
+# -- weights, for samplers --------------------------------------------------------------------
+
+
+@router.get("/v1/weights/latest", dependencies=[SAMPLER])
+def latest_weights(st: BrokerState = State) -> WeightVersion:
+    version = st.store.latest_version()
+    if version < 0:
+        raise NotFound("no version published yet")
+    return st.weights.describe(version)
+
+
+@router.get("/v1/versions/{version}", dependencies=[SAMPLER])
+def describe(version: int = Version, st: BrokerState = State) -> WeightVersion:
+    return st.weights.describe(version)
+
+
+class WeightsResponse(FileResponse):
+    chunk_size = 1 << 20  # weights are large: fewer, bigger writes than the default 64 KiB
+
+
+@router.get("/v1/weights/{version}", dependencies=[SAMPLER])
+def download(version: int = Version, st: BrokerState = State) -> FileResponse:
+    info = st.weights.describe(version)
+    return WeightsResponse(
+        st.weights.file(version),
+        media_type="application/octet-stream",
+        headers={"X-Sha256": info.sha256},
+    )
+
+
+@router.get("/v1/status", dependencies=[SAMPLER])
+def status(st: BrokerState = State) -> StatusReply:
+    return StatusReply(
+        mode=st.cfg.broker.mode,
+        latest_version=st.store.latest_version(),
+        samplers=[SamplerStatus(**row) for row in st.store.samplers()],
+        **st.store.counts(),
+    )

@@ -1,0 +1,188 @@
+"""What the broker's routes share: the run's task and tokenizer, the store, the weights, the
+long-poll bells and the metrics. Built once at start, where everything the run needs is
+checked, so a broker that cannot serve its run refuses to start with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from echorl.broker.auth import Auth
+from echorl.broker.store import Admission, BrokerStore
+from echorl.broker.weights import WeightStore
+from echorl.config import ModelConfig, RunConfig
+from echorl.models.tokenizer import RunTokenizer, TokenizerError
+from echorl.protocol import NotFound, ProtocolError, RunInfo, ScoredGroup, WeightVersion
+from echorl.rollout.scoring import score_group
+from echorl.tasks import Environment, Task, get_task
+
+T = TypeVar("T")
+
+
+class SetupError(ValueError):
+    """The broker cannot serve this run; the message is one line that says why."""
+
+
+class Bell:
+    """Wakes the long polls waiting for one kind of change; rung from any thread."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None  # set once the server runs
+        self.event = asyncio.Event()
+
+    def ring(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._ring)
+
+    def _ring(self) -> None:
+        self.event.set()  # wakes everyone waiting now; later waiters wait for the next ring
+        self.event = asyncio.Event()
+
+    async def poll(self, wait_s: float, attempt: Callable[[], T]) -> T:
+        """Run `attempt` (blocking, on a worker thread) until it returns something non-empty,
+        trying again after each ring; after `wait_s` without a ring, the last result stands."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            rung = self.event  # taken before the attempt: a ring during it is not missed
+            result = await asyncio.to_thread(attempt)
+            left = deadline - time.monotonic()
+            if result or left <= 0:
+                return result
+            try:
+                await asyncio.wait_for(rung.wait(), left)
+            except TimeoutError:
+                return result
+
+
+class Metrics:
+    """The Prometheus series the broker exports at /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.pushed = Counter("broker_groups_pushed", "groups accepted", registry=self.registry)
+        self.dropped = Counter(
+            "broker_groups_dropped_stale", "groups dropped as too stale", registry=self.registry
+        )
+        self.latest = Gauge(
+            "broker_latest_version", "newest published policy version", registry=self.registry
+        )
+
+
+@dataclass
+class BrokerState:
+    cfg: RunConfig
+    task: Task | Environment
+    codec: RunTokenizer
+    store: BrokerStore
+    weights: WeightStore
+    auth: Auth
+    admission: Admission
+    metrics: Metrics
+    jobs_bell: Bell  # samplers wait for admitted jobs (a new version, a returned lease)
+    groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
+
+    def rescore(self, group: ScoredGroup) -> list[float]:
+        """The broker's own rewards for a group: the sampler's claims are never trusted."""
+        problem = self.task.problem(self.store.job_seed(group.job_id))
+        return score_group(
+            self.task, problem, group.completions, self.codec, self.cfg.task.format_reward
+        )
+
+    def stored_version(self, version: int) -> WeightVersion | None:
+        """`version`'s WeightVersion, or None (none yet, or forgotten by a rewind just now)."""
+        try:
+            return self.weights.describe(version) if version >= 0 else None
+        except NotFound:
+            return None
+
+    def run_info(self) -> RunInfo:
+        b, t = self.cfg.broker, self.cfg.train
+        return RunInfo(
+            task=self.task.name,
+            tokenizer=self.codec.fingerprint,
+            mode=b.mode,
+            max_staleness=b.max_staleness,
+            batch_prompts=t.batch_prompts,
+            group_size=t.group_size,
+            latest_version=self.store.latest_version(),
+        )
+
+    def check_peer(self, who: str, tokenizer: str, task: str) -> None:
+        """A sampler's or trainer's tokenizer and task must be the run's (409 naming both)."""
+        ours = self.codec.fingerprint
+        if tokenizer != ours:
+            raise ProtocolError(
+                f"this {who}'s tokenizer (fingerprint {tokenizer[:16]}) is not the run's "
+                f"({ours[:16]}): load the run's model (model.path / model.tokenizer)"
+            )
+        if task != self.task.name:
+            raise ProtocolError(f"this {who} runs task {task!r}, the run is {self.task.name!r}")
+
+
+def run_tokenizer(model: ModelConfig) -> RunTokenizer:
+    """The run's tokenizer: `model.tokenizer`, else `model.path`'s, else the built-in one."""
+    folder = model.tokenizer or model.path
+    return RunTokenizer.from_folder(folder) if folder else RunTokenizer.builtin()
+
+
+def build_state(cfg: RunConfig) -> BrokerState:
+    """Everything the routes need, checked: the task builds, the tokenizer loads, and the first
+    job's prompt encodes to ids in the vocabulary. Raises SetupError with the reason."""
+    b = cfg.broker
+    try:
+        task = get_task(cfg.task.name)
+    except (KeyError, ValueError) as e:
+        raise SetupError(f"task.name: {e.args[0] if e.args else e}") from None
+    try:
+        codec = run_tokenizer(cfg.model)
+    except (TokenizerError, OSError, ValueError) as e:
+        raise SetupError(f"model.tokenizer: {e}") from None
+    try:
+        auth = Auth(b)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    data = Path(b.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    store = BrokerStore(
+        data / "broker.sqlite",
+        task.name,
+        task.problem,
+        lambda text: codec.encode_prompt(text, cfg.sampling),
+        run_seed=cfg.task.seed,
+        vocab_size=codec.vocab_size,
+        synchronous=b.synchronous,
+        max_attempts=b.max_attempts,
+    )
+    try:
+        store.first_job()
+    except Exception as e:  # the task's or the template's own code: any failure is the reason
+        store.close()
+        raise SetupError(f"the first job of {task.name!r} cannot be made: {e}") from None
+    metrics = Metrics()
+    metrics.latest.set(store.latest_version())
+    return BrokerState(
+        cfg=cfg,
+        task=task,
+        codec=codec,
+        store=store,
+        weights=WeightStore(
+            data / "weights", b.sampler_dtype, b.keep_versions, b.max_weights_bytes
+        ),
+        auth=auth,
+        # Sync is admission with max_staleness 0 and every job pinned to the latest version.
+        admission=Admission(
+            batch=cfg.train.batch_prompts,
+            max_staleness=b.max_staleness if b.mode == "async" else 0,
+            pin_version=b.mode == "sync",
+        ),
+        metrics=metrics,
+        jobs_bell=Bell(),
+        groups_bell=Bell(),
+    )

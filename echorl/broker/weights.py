@@ -1,0 +1,128 @@
+"""The broker's weight store: one safetensors file per policy version, immutable once stored.
+
+    weights/v7.safetensors          what samplers download (cast to `sampler_dtype`)
+    weights/v7.sha256               its sha256, served as X-Sha256 and in WeightVersion
+    weights/v7.upload.sha256        the sha256 of the trainer's upload (a retry is recognised)
+
+An upload is streamed to a temporary file while it is hashed, fsynced off the
+event loop, checked against the sha256 the trainer announced, cast for the
+samplers when asked, and only then renamed into place: a version appears whole
+or not at all. The last `keep` versions stay on disk, and any older one a leased
+sync job still requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import safetensors
+
+from echorl.protocol import BadRequest, NotFound, TooLarge, WeightVersion
+
+
+class WeightStore:
+    def __init__(
+        self, folder: Path, dtype: str = "float32", keep: int = 3, max_bytes: int = 1 << 36
+    ):
+        self.folder, self.dtype, self.keep, self.max_bytes = folder, dtype, keep, max_bytes
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def file(self, version: int) -> Path:
+        return self.folder / f"v{version}.safetensors"
+
+    def has(self, version: int) -> bool:
+        return self.file(version).is_file()
+
+    def describe(self, version: int) -> WeightVersion:
+        path = self.file(version)
+        if not path.is_file():
+            raise NotFound(f"version {version} is not stored (kept: the last {self.keep})")
+        return WeightVersion(
+            version=version,
+            sha256=path.with_suffix(".sha256").read_text(),
+            size_bytes=path.stat().st_size,
+            dtype=self.dtype,
+        )
+
+    def is_stored_upload(self, version: int, sha256: str) -> bool:
+        """Whether `version` is stored from an upload hashing to `sha256` (a retried publish)."""
+        mark = self.folder / f"v{version}.upload.sha256"
+        return mark.is_file() and mark.read_text() == sha256
+
+    async def receive(self, version: int, sha256: str, chunks: AsyncIterator[bytes]) -> None:
+        """Store the upload of `version`, which must hash to `sha256`; raises TooLarge or
+        BadRequest (and stores nothing) otherwise."""
+        tmp = self.folder / f".upload-{version}"
+        digest, size = hashlib.sha256(), 0
+        try:
+            with tmp.open("wb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise TooLarge(f"weights exceed {self.max_bytes} bytes")
+                    digest.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())  # the other routes go on meanwhile
+            if digest.hexdigest() != sha256:
+                raise BadRequest(f"sha256 mismatch: body hashes to {digest.hexdigest()}")
+            served = await asyncio.to_thread(self._serve, tmp, version, sha256)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.file(version).with_suffix(".sha256").write_text(served)
+        (self.folder / f"v{version}.upload.sha256").write_text(sha256)
+
+    def _serve(self, upload: Path, version: int, sha256: str) -> str:
+        """Put the upload in place as the samplers' file (cast when asked); its sha256."""
+        final = self.file(version)
+        if self.dtype == "float32":
+            upload.replace(final)
+            return sha256
+        try:
+            _cast_safetensors(upload, final, self.dtype)
+        except (safetensors.SafetensorError, ValueError, OSError) as e:
+            raise BadRequest(f"cannot cast the upload to {self.dtype}: {e}") from None
+        return _sha256(final)
+
+    def retain(self, newest: int, referenced: set[int]) -> None:
+        """Delete versions older than the last `keep`, except those still referenced."""
+        for v in self.versions():
+            if v <= newest - self.keep and v not in referenced:
+                self.forget(v)
+
+    def forget_after(self, version: int) -> None:
+        """Delete every version newer than `version` (a resumed trainer forgot them)."""
+        for v in self.versions():
+            if v > version:
+                self.forget(v)
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.stem[1:]) for p in self.folder.glob("v*.safetensors"))
+
+    def forget(self, version: int) -> None:
+        path = self.file(version)
+        path.unlink(missing_ok=True)
+        path.with_suffix(".sha256").unlink(missing_ok=True)
+        (self.folder / f"v{version}.upload.sha256").unlink(missing_ok=True)
+
+
+def _cast_safetensors(src: Path, dst: Path, dtype: str) -> None:
+    """Write `src` with every floating tensor cast to `dtype` to `dst`."""
+    import torch  # only when casting: the broker otherwise starts without torch
+    from safetensors.torch import load_file, save_file
+
+    target = getattr(torch, dtype)
+    tensors = {k: (t.to(target) if t.is_floating_point() else t) for k, t in load_file(src).items()}
+    save_file(tensors, dst, metadata={"format": "pt"})
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,125 @@
+"""One rollout step: G completions per prompt, scored, or G episodes of a multi-turn
+environment, as `ScoredGroup`s.
+
+Shared by the sampler process, the co-located loop and evaluation, so all of them
+produce the same groups from the same seeds and score them with the same
+function as the broker. Prompts arrive as token ids (a job's `prompt_ids`, or
+`RunTokenizer.encode_prompts` in process); nothing here encodes a prompt.
+"""
+
+from __future__ import annotations
+
+from echorl.config import SamplingConfig
+from echorl.protocol import Completion, ScoredGroup, Turn
+from echorl.rollout.hf import HFBackend
+from echorl.rollout.scoring import score_group
+from echorl.seeding import derive_seed
+from echorl.tasks import Environment, Problem, Task, is_environment
+
+
+def rollout(
+    backend: HFBackend,
+    task: Task | Environment,
+    problems: list[Problem],
+    prompt_ids: list[list[int]],
+    group_size: int,
+    params: SamplingConfig,
+    seed: int,
+    version: int = 0,
+    format_reward: float = 0.0,
+    job_ids: list[int] | None = None,
+) -> list[ScoredGroup]:
+    """`group_size` scored completions (or episodes) for each problem, whose prompt is
+    `prompt_ids[i]`; groups are numbered by `job_ids` (default: their position)."""
+    job_ids = job_ids or list(range(len(problems)))
+    if is_environment(task):
+        return play(backend, task, problems, prompt_ids, group_size, params, seed, version, job_ids)
+    max_new = params.max_new_tokens or task.max_new_tokens
+    contexts = [ids for ids in prompt_ids for _ in range(group_size)]
+    flat = backend.generate_ids(contexts, params, max_new, seed)
+    groups = []
+    for i, (problem, ids) in enumerate(zip(problems, prompt_ids)):
+        comps = flat[i * group_size : (i + 1) * group_size]
+        rewards = score_group(task, problem, comps, backend.codec, format_reward)
+        groups.append(_group(job_ids[i], version, ids, comps, rewards))
+    return groups
+
+
+def play(
+    backend: HFBackend,
+    env: Environment,
+    problems: list[Problem],
+    prompt_ids: list[list[int]],
+    group_size: int,
+    params: SamplingConfig,
+    seed: int,
+    version: int,
+    job_ids: list[int],
+) -> list[ScoredGroup]:
+    """G episodes per problem, all games advanced one turn per batched `generate`.
+
+    A turn ends at a newline (or eos, which ends the episode: the model quit); the
+    environment's observation is appended (log-prob 0, outside every turn) unless the
+    episode is over. An episode also ends when another turn would not fit the model."""
+    codec = backend.codec
+    newline = codec.encode("\n")[-1]
+    owner = [i for i in range(len(problems)) for _ in range(group_size)]
+    games = [env.episode(problems[i].seed) for i in owner]
+    ids: list[list[int]] = [[] for _ in games]
+    lps: list[list[float]] = [[] for _ in games]
+    turns: list[list[Turn]] = [[] for _ in games]
+    returns, quit_ = [0.0] * len(games), [False] * len(games)
+    live = list(range(len(games)))
+    for turn in range(env.max_turns):
+        room = backend.max_positions - env.max_action_tokens
+        live = [k for k in live if len(prompt_ids[owner[k]]) + len(ids[k]) <= room]
+        if not live:
+            break
+        outs = backend.generate_ids(
+            [prompt_ids[owner[k]] + ids[k] for k in live],
+            params,
+            env.max_action_tokens,
+            derive_seed(seed, "turn", turn),
+            stop_ids=(newline,),
+        )
+        still = []
+        for k, out in zip(live, outs):
+            start = len(ids[k])
+            ids[k] += out.token_ids
+            lps[k] += out.logprobs
+            turns[k].append(Turn(start=start, end=len(ids[k]), version=version))
+            obs, reward, done, _ = games[k].step(codec.decode(out.token_ids))
+            returns[k] += reward
+            quit_[k] = out.finished
+            if not (done or out.finished):
+                obs_ids = codec.encode(obs)
+                ids[k] += obs_ids
+                lps[k] += [0.0] * len(obs_ids)
+                still.append(k)
+        live = still
+    completions = [
+        Completion(token_ids=ids[k], logprobs=lps[k], finished=quit_[k], turns=turns[k])
+        for k in range(len(games))
+    ]
+    return [
+        _group(
+            job_ids[i],
+            version,
+            prompt_ids[i],
+            completions[i * group_size : (i + 1) * group_size],
+            returns[i * group_size : (i + 1) * group_size],
+        )
+        for i in range(len(problems))
+    ]
+
+
+def _group(job_id, version, prompt_ids, completions, rewards) -> ScoredGroup:
+    # Built from validated parts: model_construct skips re-checking every token.
+    return ScoredGroup.model_construct(
+        job_id=job_id,
+        version=version,
+        prompt_ids=prompt_ids,
+        completions=completions,
+        rewards=rewards,
+        gen_seconds=0.0,
+    )

@@ -1,0 +1,87 @@
+"""Batched sampling with Hugging Face transformers, on CPU, CUDA or MPS.
+
+`HFBackend.generate_ids` continues each token-id context with one completion:
+its token ids and the log-prob of every sampled token under the distribution it
+was sampled from (after temperature and top-p), which is what the trainer's
+importance weights need. Contexts are token ids, never text: prompts are
+encoded once (by the broker, or `RunTokenizer.encode_prompts` in process).
+The backend knows nothing about tasks, rewards or the broker.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from echorl.config import SamplingConfig
+from echorl.models.tokenizer import RunTokenizer
+from echorl.protocol import Completion
+
+
+class HFBackend:
+    """Generation with `model.generate`; weights can be swapped in place with `load_state_dict`."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.codec = RunTokenizer.from_hf(tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int:
+        return getattr(self.model.config, "max_position_embeddings", 1 << 30)
+
+    @torch.no_grad()
+    def generate_ids(
+        self,
+        contexts: list[list[int]],
+        params: SamplingConfig,
+        max_new_tokens: int,
+        seed: int,
+        stop_ids: tuple[int, ...] = (),
+    ) -> list[Completion]:
+        """One completion per token-id context (G completions of a prompt: G copies of it; a
+        multi-turn episode continues from its own tokens); same `seed` and weights give the
+        same tokens. A row ends at eos or any of `stop_ids`, which it includes."""
+        tok = self.tokenizer
+        enc = tok.pad({"input_ids": contexts}, return_tensors="pt", padding_side="left").to(
+            self.device
+        )
+        greedy = params.temperature == 0.0
+        # top_k=0: never the library's default top-k; the sampling distribution is ours to define.
+        sampling = (
+            {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        )
+        eos = self.codec.eos_id
+        stops = [eos, *stop_ids]
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            **enc,
+            do_sample=not greedy,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=stops if stop_ids else eos,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **sampling,
+        )
+        new = out.sequences[:, enc["input_ids"].shape[1] :]  # (N, T)
+        scores = torch.stack(out.scores, dim=1).float()  # (N, T, V), processed logits
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        return _cut(new.tolist(), logprobs.clamp(max=0.0).tolist(), eos, set(stops))
+
+
+def _cut(rows: list[list[int]], lps: list[list[float]], eos: int, stops: set[int]):
+    """Each row up to and including its first stop token (the rest is padding)."""
+    completions = []
+    for ids, lp in zip(rows, lps):
+        length = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
+        completions.append(
+            Completion(
+                token_ids=ids[:length], logprobs=lp[:length], finished=ids[length - 1] == eos
+            )
+        )
+    return completions

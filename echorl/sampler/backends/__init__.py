@@ -1,1 +1,0 @@
-"""Generation backends. Each returns `Completion`s with per-token behaviour log-probs."""
