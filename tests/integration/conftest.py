@@ -9,7 +9,11 @@ import time
 import httpx
 import pytest
 
+from echorl.models.tokenizer import RunTokenizer
+
 TRAINER, SAMPLER = "t" * 32, "s" * 32
+# What a sampler of a default run (the tiny model's tokenizer, task add) registers with.
+IDENTITY = {"tokenizer": RunTokenizer.builtin().fingerprint, "task": "add"}
 
 
 def free_port() -> int:
@@ -79,10 +83,28 @@ def register(url, name="s1", **info) -> str:
     """Register a sampler over HTTP; returns its id."""
     reply = httpx.post(
         f"{url}/v1/samplers",
-        json={"name": name, **info},
+        json={"name": name, **IDENTITY, **info},
         headers={"Authorization": f"Bearer {SAMPLER}"},
     )
     return reply.json()["sampler_id"]
+
+
+def group(job, version=0, ids=(26, 17, 1), rewards=(0.0, 0.0)) -> dict:
+    """A pushable group body (G = 2) for `job` (a leased job, as JSON or a Job; or a job id,
+    for a job the broker does not know)."""
+    if isinstance(job, int):
+        job_id, prompt_ids = job, [5]
+    else:
+        job = job if isinstance(job, dict) else job.model_dump()
+        job_id, prompt_ids = job["job_id"], job["prompt_ids"]
+    c = {"token_ids": list(ids), "logprobs": [-0.5] * len(ids), "finished": True}
+    return {
+        "job_id": job_id,
+        "version": version,
+        "prompt_ids": prompt_ids,
+        "completions": [c, c],
+        "rewards": list(rewards),
+    }
 
 
 def stop_broker(proc) -> str:

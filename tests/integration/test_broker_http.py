@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from tests.integration.conftest import SAMPLER, TRAINER, register
+from tests.integration.conftest import IDENTITY, SAMPLER, TRAINER, group, register
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,6 @@ def publish(url, version, blob):
         content=blob,
         headers=as_(TRAINER) | {"X-Sha256": hashlib.sha256(blob).hexdigest()},
     )
-
-
-def group(job_id, version=0, ids=(26, 17, 1)):
-    c = {"token_ids": list(ids), "logprobs": [-0.5] * len(ids), "finished": True}
-    return {"job_id": job_id, "version": version, "completions": [c, c]}
 
 
 def test_a_sync_round_trip_over_http(broker):
@@ -50,7 +45,7 @@ def test_a_sync_round_trip_over_http(broker):
     assert [j["required_version"] for j in jobs] == [0, 0]
 
     # The broker scores with its own verifier: "90" is right only for prompts that sum to 90.
-    body = {"sampler_id": sid, "group": group(jobs[0]["job_id"]) | {"claimed_rewards": [1.0, 1.0]}}
+    body = {"sampler_id": sid, "group": group(jobs[0], rewards=(1.0, 1.0))}
     first = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
     a, b = jobs[0]["prompt"][:-1].split("+")
     assert first["stored"] and first["rewards"] == [float(int(a) + int(b) == 90)] * 2
@@ -60,7 +55,8 @@ def test_a_sync_round_trip_over_http(broker):
     pulled = httpx.post(
         f"{url}/v1/batches/pull", json={"n": 8, "step": 0}, headers=as_(TRAINER)
     ).json()
-    assert [g["group"]["job_id"] for g in pulled["groups"]] == [jobs[0]["job_id"]]
+    assert [g["job_id"] for g in pulled["groups"]] == [jobs[0]["job_id"]]
+    assert pulled["groups"][0]["rewards"] == first["rewards"]  # the broker's, not the claims
     ack = httpx.post(
         f"{url}/v1/batches/ack",
         json={"job_ids": [jobs[0]["job_id"]], "step": 0},
@@ -78,7 +74,7 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
     publish(url, 0, b"weights")
     job = httpx.post(
         f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
-    ).json()["jobs"][0]["job_id"]
+    ).json()["jobs"][0]
     other = register(url, "s2")
     push = f"{url}/v1/rollouts"
 
@@ -113,8 +109,17 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
                 json={"sampler_id": sid, "group": group(job, ids=(5, 9999))},
                 headers=as_(SAMPLER),
             ),
-            409,
+            422,
             "outside the vocabulary",
+        ),
+        (
+            httpx.post(
+                push,
+                json={"sampler_id": sid, "group": group(job) | {"prompt_ids": [5, 6]}},
+                headers=as_(SAMPLER),
+            ),
+            409,
+            "not the job's prompt",
         ),
         (
             httpx.post(
@@ -153,15 +158,37 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
         ),
         (publish(url, 5, b"abc"), 409, "not the next one"),
         (
-            httpx.post(f"{url}/v1/samplers", json={"name": "../../etc"}, headers=as_(SAMPLER)),
+            httpx.post(
+                f"{url}/v1/samplers", json={"name": "../../etc", **IDENTITY}, headers=as_(SAMPLER)
+            ),
             422,
             "pattern",
         ),
         (
             httpx.post(
-                f"{url}/v1/batches/ack", json={"job_ids": [job], "step": 0}, headers=as_(TRAINER)
+                f"{url}/v1/samplers",
+                json={"name": "other-tokenizer", **IDENTITY, "tokenizer": "ab" * 32},
+                headers=as_(SAMPLER),
             ),
             409,
+            "tokenizer (fingerprint abababab",
+        ),
+        (
+            httpx.post(
+                f"{url}/v1/samplers",
+                json={"name": "other-task", **IDENTITY, "task": "reverse"},
+                headers=as_(SAMPLER),
+            ),
+            409,
+            "runs task 'reverse'",
+        ),
+        (
+            httpx.post(
+                f"{url}/v1/batches/ack",
+                json={"job_ids": [job["job_id"]], "step": 0},
+                headers=as_(TRAINER),
+            ),
+            404,
             "no stored group",
         ),
     ]
@@ -175,7 +202,9 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
 def test_status_command_prints_the_swarm(broker):
     url, _ = broker
     httpx.post(
-        f"{url}/v1/samplers", json={"name": "laptop", "hardware": "cpu x2"}, headers=as_(SAMPLER)
+        f"{url}/v1/samplers",
+        json={"name": "laptop", "hardware": "cpu x2", **IDENTITY},
+        headers=as_(SAMPLER),
     )
     out = subprocess.run(
         [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
@@ -228,7 +257,7 @@ def test_async_admission_control_and_retention(tmp_path):
         first = lease(5)  # (latest + max_staleness + 1) * B = 6 may ever be out at v0
         assert len(first) == 5 and all(j["required_version"] is None for j in first)
         assert len(lease(5)) == 1 and lease(5) == []
-        body = {"sampler_id": sid, "group": group(first[0]["job_id"], version=0)}
+        body = {"sampler_id": sid, "group": group(first[0], version=0)}
         assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()["stored"]
         assert lease(5) == []  # the pushed group still waits in the buffer
         assert len(pull(0).json()["groups"]) == 1
@@ -246,7 +275,7 @@ def test_async_admission_control_and_retention(tmp_path):
 
 
 def test_more_hostile_requests_are_refused_without_side_effects(broker):
-    """With the table above: 29 distinct malformed or hostile requests, each a 4xx with a reason."""
+    """With the table above: 33 distinct malformed or hostile requests, each a 4xx with a reason."""
     import json
     import sqlite3
 
@@ -255,7 +284,7 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
     publish(url, 0, b"weights")
     job = httpx.post(
         f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
-    ).json()["jobs"][0]["job_id"]
+    ).json()["jobs"][0]
     push, h = f"{url}/v1/rollouts", as_(SAMPLER)
 
     def raw(
@@ -295,16 +324,22 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
             ),
             422,
         ),
-        (raw({"sampler_id": sid, "group": group(job) | {"completions": [c] * 3}}), 409),
-        (raw({"sampler_id": sid, "group": group(10**6)}), 409),
+        (
+            raw({"sampler_id": sid, "group": group(job) | {"completions": [c] * 3, "rewards": [0] * 3}}),
+            409,
+        ),
+        (raw({"sampler_id": sid, "group": group(job) | {"completions": [c] * 3}}), 422),
+        (raw({"sampler_id": sid, "group": group(10**6)}), 404),
         (raw({"sampler_id": sid, "group": group(job), "admin": True}), 422),
         (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 10**6}, headers=h), 422),
-        (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": "ghost", "n": 1}, headers=h), 409),
-        (httpx.post(f"{url}/v1/samplers/ghost/heartbeat", json={}, headers=h), 409),
+        (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": "ghost", "n": 1}, headers=h), 404),
+        (httpx.post(f"{url}/v1/samplers/ghost/heartbeat", json={}, headers=h), 404),
         (httpx.post(f"{url}/v1/batches/pull", json={"n": 0, "step": 0}, headers=as_(TRAINER)), 422),
         (
             httpx.post(
-                f"{url}/v1/batches/ack", json={"job_ids": [job], "step": -1}, headers=as_(TRAINER)
+                f"{url}/v1/batches/ack",
+                json={"job_ids": [job["job_id"]], "step": -1},
+                headers=as_(TRAINER),
             ),
             422,
         ),
@@ -312,7 +347,13 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
         (httpx.put(f"{url}/v1/weights/1", content=b"abc", headers=h | {"X-Sha256": "0" * 64}), 403),
         (httpx.get(f"{url}/v1/weights/7", headers=h), 404),
         (httpx.get(f"{url}/v1/weights/..%2F..%2Fbroker.sqlite", headers=h), 404),
-        (httpx.post(f"{url}/v1/samplers", json={"name": "x", "max_batch": -4}, headers=h), 422),
+        (
+            httpx.post(
+                f"{url}/v1/samplers", json={"name": "x", "max_batch": -4, **IDENTITY}, headers=h
+            ),
+            422,
+        ),
+        (httpx.post(f"{url}/v1/samplers", json={"name": "no-identity"}, headers=h), 422),
     ]
     with sqlite3.connect(data / "broker.sqlite") as db:
         jobs_before = list(db.execute("SELECT * FROM jobs"))
@@ -346,16 +387,13 @@ def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
         b = register(url, "b")
 
         def lease(sid, n=1):
-            return [
-                j["job_id"]
-                for j in httpx.post(
-                    f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
-                ).json()["jobs"]
-            ]
+            return httpx.post(
+                f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
+            ).json()["jobs"]
 
         (job,) = lease(a)  # sampler a "dies" holding it
         time.sleep(2.5)
-        assert lease(b) == [job]  # re-leased to b after the deadline
+        assert [j["job_id"] for j in lease(b)] == [job["job_id"]]  # re-leased to b
         late = httpx.post(
             f"{url}/v1/rollouts", json={"sampler_id": a, "group": group(job)}, headers=as_(SAMPLER)
         )
@@ -366,17 +404,17 @@ def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
 
         def pull():
             return [
-                g["group"]["job_id"]
+                g["job_id"]
                 for g in httpx.post(
                     f"{url}/v1/batches/pull", json={"n": 4, "step": 0}, headers=as_(TRAINER)
                 ).json()["groups"]
             ]
 
-        assert pull() == [job]  # the trainer "dies" before acking
+        assert pull() == [job["job_id"]]  # the trainer "dies" before acking
         assert pull() == []
         time.sleep(2.5)
-        assert pull() == [job]  # offered again, and consumed once
-        ack = {"job_ids": [job], "step": 0}
+        assert pull() == [job["job_id"]]  # offered again, and consumed once
+        ack = {"job_ids": [job["job_id"]], "step": 0}
         assert httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).json() == {
             "consumed": 1
         }

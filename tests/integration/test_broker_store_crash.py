@@ -7,19 +7,26 @@ import sys
 import textwrap
 
 from echorl.broker.store import BrokerStore
+from echorl.models.tokenizer import RunTokenizer
 from echorl.tasks import get_task
+from tests.integration.conftest import IDENTITY
 
 WRITER = textwrap.dedent("""
     import sys
     from echorl.broker.store import BrokerStore
-    from echorl.protocol import RolloutGroup, SamplerInfo
+    from echorl.models.tokenizer import RunTokenizer
+    from echorl.protocol import SamplerInfo, ScoredGroup
     from echorl.tasks import get_task
-    s = BrokerStore(sys.argv[1], "add", get_task("add").problem, vocab_size=258, synchronous="FULL")
+    codec = RunTokenizer.builtin()
+    s = BrokerStore(sys.argv[1], "add", get_task("add").problem, codec.encode, vocab_size=258,
+                    synchronous="FULL")
     s.set_latest_version(0)
-    me = s.register(SamplerInfo(name="writer"), 0.0)
+    me = s.register(SamplerInfo(name="writer", tokenizer=codec.fingerprint, task="add"), 0.0)
     while True:
         for job in s.lease(me, 2, 2, now=0.0, lease_seconds=1e9):
-            g = RolloutGroup.model_validate({"job_id": job.job_id, "version": 0, "completions": [
+            g = ScoredGroup.model_validate({
+                "job_id": job.job_id, "version": 0, "prompt_ids": job.prompt_ids,
+                "rewards": [0.0, 0.0], "completions": [
                 {"token_ids": [20, 1], "logprobs": [-0.1, -0.2], "finished": True}] * 2})
             s.push(me, g, [1.0, 0.0], now=0.0)
             print(job.job_id, flush=True)  # acknowledged: push returned
@@ -40,14 +47,14 @@ def test_acknowledged_pushes_survive_kill_9(tmp_path):
     proc.wait()
     acked += [int(x) for x in proc.stdout.read().split()]
 
-    s = BrokerStore(db, "add", get_task("add").problem, vocab_size=258)
+    s = BrokerStore(db, "add", get_task("add").problem, RunTokenizer.builtin().encode, vocab_size=258)
     stored = [r[0] for r in s.db.execute("SELECT job_id FROM rollouts")]
     assert set(acked) <= set(stored)
     assert len(stored) == len(set(stored))
     assert s.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     from echorl.protocol import SamplerInfo
 
-    nxt = s.lease(s.register(SamplerInfo(name="after"), 0.0), 3, 2, now=0.0, lease_seconds=10)
+    nxt = s.lease(s.register(SamplerInfo(name="after", **IDENTITY), 0.0), 3, 2, now=0.0, lease_seconds=10)
     created = {r[0] for r in s.db.execute("SELECT job_id FROM jobs")}
     # Leased-but-unpushed jobs from the dead writer come back only after their lease; new ones
     # continue the cursor, never reusing an id.

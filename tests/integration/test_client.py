@@ -10,17 +10,26 @@ import time
 import pytest
 
 from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
-from echorl.protocol import RolloutGroup, SamplerInfo
-from tests.integration.conftest import SAMPLER, TRAINER, free_port, start_broker, stop_broker
+from echorl.protocol import SamplerInfo, ScoredGroup
+from tests.integration.conftest import (
+    IDENTITY,
+    SAMPLER,
+    TRAINER,
+    free_port,
+    start_broker,
+    stop_broker,
+)
+from tests.integration.conftest import group as group_body
 
 pytestmark = pytest.mark.integration
 
 
-def group(job_id, version=0):
-    c = {"token_ids": [26, 17, 1], "logprobs": [-0.5, -0.2, -0.01], "finished": True}
-    return RolloutGroup.model_validate(
-        {"job_id": job_id, "version": version, "completions": [c, c]}
-    )
+def group(job, version=0):
+    return ScoredGroup.model_validate(group_body(job, version))
+
+
+def info(name):
+    return SamplerInfo(name=name, **IDENTITY)
 
 
 def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
@@ -31,16 +40,16 @@ def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
         assert sampler.latest() is None
         published = trainer.publish(0, tmp_path / "w.safetensors")
         assert sampler.latest() == published
-        sid = sampler.register(SamplerInfo(name="c1"))
+        sid = sampler.register(info("c1"))
         jobs = sampler.lease(sid, 3).jobs
         assert len(jobs) == 3
-        assert sampler.push(sid, group(jobs[0].job_id)).stored
-        assert not sampler.push(sid, group(jobs[0].job_id)).stored
+        assert sampler.push(sid, group(jobs[0])).stored
+        assert not sampler.push(sid, group(jobs[0])).stored
         with pytest.raises(BrokerRejected) as e:
             sampler.pull(1, 0)
         assert e.value.status == 403
         pulled = trainer.pull(4, 0)
-        assert [g.group.job_id for g in pulled.groups] == [jobs[0].job_id]
+        assert [g.job_id for g in pulled.groups] == [jobs[0].job_id]
         assert trainer.ack([jobs[0].job_id], 0) == 1
 
         dest = tmp_path / "dl.safetensors"
@@ -60,7 +69,7 @@ def test_lease_and_pull_are_long_polls_answered_by_a_publish_and_a_push(broker, 
     (tmp_path / "w1").write_bytes(b"v1")
     with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as sampler:
         trainer.publish(0, tmp_path / "w")
-        sid = sampler.register(SamplerInfo(name="poller"))
+        sid = sampler.register(info("poller"))
         assert len(sampler.lease(sid, 16).jobs) == 16
         assert sampler.lease(sid, 4, wait_s=0.2).jobs == []  # v0's batch is all out
 
@@ -81,10 +90,10 @@ def test_lease_and_pull_are_long_polls_answered_by_a_publish_and_a_push(broker, 
         )
         pull.start()
         time.sleep(0.3)
-        sampler.push_many(sid, [group(j.job_id, version=1) for j in reply.jobs[:2]])
+        sampler.push_many(sid, [group(j, version=1) for j in reply.jobs[:2]])
         pull.join()
         pulled = waiting["pulled"].groups
-        assert sorted(g.group.job_id for g in pulled) == [j.job_id for j in reply.jobs[:2]]
+        assert sorted(g.job_id for g in pulled) == [j.job_id for j in reply.jobs[:2]]
 
 
 def test_client_retries_until_the_broker_comes_up(tmp_path):
@@ -96,7 +105,7 @@ def test_client_retries_until_the_broker_comes_up(tmp_path):
         with BrokerClient(
             f"http://127.0.0.1:{port}", SAMPLER, retries=80, backoff=0.2, max_backoff=0.5
         ) as c:
-            assert c.register(SamplerInfo(name="patient"))
+            assert c.register(info("patient"))
     finally:
         starter.join()
         for p in procs:
@@ -105,7 +114,7 @@ def test_client_retries_until_the_broker_comes_up(tmp_path):
         BrokerClient(f"http://127.0.0.1:{free_port()}", SAMPLER, retries=2, backoff=0.01) as c,
         pytest.raises(BrokerUnavailable),
     ):
-        c.register(SamplerInfo(name="nobody"))
+        c.register(info("nobody"))
 
 
 def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
@@ -122,14 +131,14 @@ def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
 
     def worker(k):
         with BrokerClient(url, SAMPLER, retries=0) as c:
-            sid = c.register(SamplerInfo(name=f"w{k}"))
+            sid = c.register(info(f"w{k}"))
             while not stop.is_set():
                 try:
                     jobs = c.lease(sid, 2).jobs
                     with lock:
                         leased.extend(j.job_id for j in jobs)
                     for j in jobs:
-                        if c.push(sid, group(j.job_id)).stored:
+                        if c.push(sid, group(j)).stored:
                             with lock:
                                 acked.append(j.job_id)
                 except BrokerUnavailable:
@@ -156,7 +165,7 @@ def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
     proc, url = start_broker(data, port, *big)  # restart on the same data dir
     try:
         with BrokerClient(url, SAMPLER) as c:
-            sid = c.register(SamplerInfo(name="after"))
+            sid = c.register(info("after"))
             fresh = [j.job_id for j in c.lease(sid, 5).jobs]
         assert min(fresh) > max(leased)  # the cursor continues; no job id is handed out twice
     finally:

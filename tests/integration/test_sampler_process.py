@@ -8,7 +8,7 @@ import torch
 
 from echorl.client import BrokerClient
 from echorl.models import load_policy, save_tiny_model
-from echorl.trainer.batch import Sequence, collate, token_logprobs
+from echorl.trainer.batch import Row, collate, token_logprobs
 from tests.integration.conftest import TRAINER, free_port, start_broker, start_sampler, stop_broker
 
 pytestmark = pytest.mark.integration
@@ -34,31 +34,32 @@ def test_sampler_follows_published_versions_and_swaps_weights_in_place(tmp_path)
         with BrokerClient(url, TRAINER) as trainer:
             trainer.publish(0, v0 / "model.safetensors")
             groups = pull_until(trainer, 4, step=0)
-            assert all(g.group.version == 0 and len(g.group.completions) == 2 for g in groups)
+            assert all(g.version == 0 and len(g.completions) == 2 for g in groups)
             assert all(len(g.rewards) == 2 for g in groups)
-            trainer.ack([g.group.job_id for g in groups], 0)
+            trainer.ack([g.job_id for g in groups], 0)
 
             trainer.publish(1, v1 / "model.safetensors")
             later = pull_until(trainer, 2, step=1)
-            assert all(g.group.version == 1 for g in later)
+            assert all(g.version == 1 for g in later)
             # The behaviour log-probs are v1's: the sampler swapped its weights in place.
             model, tok = load_policy(v1)
-            job = later[0].group
-            c = job.completions[0]
-            prompt_ids = tok(_prompt_of(tmp_path / "b", job.job_id), add_special_tokens=False)[
-                "input_ids"
-            ]
-            batch = collate([Sequence(prompt_ids, c.token_ids, c.logprobs, 0.0)], tok.pad_token_id)
+            group = later[0]
+            c = group.completions[0]
+            # The prompt travelled as ids, encoded once by the broker with the run's tokenizer.
+            text = _prompt_of(tmp_path / "b", group.job_id)
+            assert group.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+            row = Row(group.prompt_ids, c.token_ids, c.logprobs, c.mask, 0.0)
+            batch = collate([row], tok.pad_token_id)
             with torch.no_grad():
                 logp, _ = token_logprobs(model, batch)
             mask = batch.loss_mask.bool()
             assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
             for _ in range(100):  # the sampler reports its version and speed after each batch
-                (row,) = trainer.status()["samplers"]
-                if row["version_held"] == 1:
+                (seen,) = trainer.status().samplers
+                if seen.version_held == 1:
                     break
                 time.sleep(0.1)
-            assert row["version_held"] == 1 and row["tokens_per_s"] > 0 and row["name"] == "s1"
+            assert seen.version_held == 1 and seen.tokens_per_s > 0 and seen.name == "s1"
     finally:
         sampler.send_signal(signal.SIGTERM)
         out = sampler.communicate(timeout=30)[0]
