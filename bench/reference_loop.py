@@ -24,8 +24,8 @@ from rich.table import Table
 
 from echorl.config import RunConfig, SamplingConfig
 from echorl.models import build_tiny_model
-from echorl.sampler.backends.hf import HFBackend
-from echorl.sampler.rollout import rollout
+from echorl.rollout.generate import rollout
+from echorl.rollout.hf import HFBackend
 from echorl.tasks import get_task, take
 from echorl.trainer.update import build_optimizer, build_scheduler, groups_to_batch, train_on_batch
 
@@ -48,11 +48,12 @@ def bench_one(
     for step in range(steps + 1):  # step 0 warms up and is not counted
         problems = take(task, batch, seed=step)
         t0 = time.perf_counter()
-        groups = rollout(backend, task, problems, group, params, seed=step)
+        ids = backend.codec.encode_prompts([p.prompt for p in problems], params)
+        groups = rollout(backend, task, problems, ids, group, params, seed=step)
         t1 = time.perf_counter()
-        for g in groups:  # random rewards: every group informative
-            g.rewards = [float((i + step) % 2) for i in range(group)]
-        train_on_batch(model, opt, sched, groups_to_batch(groups, tok, cfg), cfg)
+        flip = [float((i + step) % 2) for i in range(group)]  # every group informative
+        groups = [g.model_copy(update={"rewards": flip}) for g in groups]
+        train_on_batch(model, opt, sched, groups_to_batch(groups, tok.pad_token_id, cfg), cfg)
         t2 = time.perf_counter()
         if step:
             gen_tps.append(sum(len(c.token_ids) for g in groups for c in g.completions) / (t1 - t0))

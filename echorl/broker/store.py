@@ -509,10 +509,11 @@ class BrokerStore:
         """The trainer resumed from its checkpoint after `step` steps, having consumed exactly
         `consumed`; whatever it trained on since died with it.
 
-        Groups consumed (or pulled) since become ready again. Versions after `keep_version`
-        (`step`, or `step - 1` when v_step's weights are gone and the trainer re-publishes them)
-        are forgotten: groups they generated are deleted and their jobs queued again, since a
-        new lineage of weights will reuse those numbers. Every lease is returned, as its
+        Groups consumed (or pulled) since become ready again. Versions after `step` are
+        forgotten: groups they generated are deleted and their jobs queued again, since a new
+        lineage of weights will reuse those numbers. v_step itself is the checkpoint's own
+        weights, so its groups stay; the latest version becomes `keep_version` (`step`, or
+        `step - 1` when v_step's file is gone and the trainer re-publishes the same weights). Every lease is returned, as its
         sampler may hold forgotten weights. Returns the counts and the new latest version."""
 
         def fn(c):

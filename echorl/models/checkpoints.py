@@ -1,7 +1,7 @@
 """Small random Hugging Face checkpoints with locally trained tokenizers.
 
 They stand in for "any real checkpoint" in tests and examples without downloading anything:
-a Qwen3, Llama or Qwen2 causal LM of a few million random parameters, with either a
+a Qwen3, Llama or Qwen2 causal LM of about a million random parameters, with either a
 byte-level BPE tokenizer trained on the project's own task texts (digits split one by one,
 like Qwen and Llama 3) or a character-level one. A folder written by `save_checkpoint` loads
 with `PreTrainedTokenizerFast.from_pretrained` and `AutoModelForCausalLM.from_pretrained`
@@ -140,7 +140,7 @@ def save_checkpoint(
     eos = IM_END if chat else EOS_TOKEN
     for token in (EOS_TOKEN, eos):
         if tokenizer.token_to_id(token) is None:
-            raise ValueError(f"the tokenizer has no {token} token (train it with chat={chat})")
+            raise ValueError(f"the tokenizer has no {token} token, which chat={chat} needs")
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=eos,

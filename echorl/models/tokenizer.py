@@ -32,9 +32,13 @@ if TYPE_CHECKING:
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN)  # ids 0 and 1
-# Encoded into the fingerprint: spaces, digits, newlines, non-ASCII and markup all show
-# how a tokenizer splits text, whatever its file format.
-PROBE = "a b  c\n\t12 + 34 = 46, 1234567. Ünïcødé 漢字 🙂 <answer>x</answer> \\boxed{1/2}"
+# Encoded into the fingerprint: spaces, digits, newlines, non-ASCII (composed and not) and
+# markup all show how a tokenizer splits text.
+PROBES = (
+    "a b  c\n\t12 + 34 = 46, 1234567.",
+    "Ünïcødé 漢字 🙂 café cafe\u0301",
+    "<answer>x</answer> \\boxed{1/2} <|endoftext|>",
+)
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -126,17 +130,22 @@ class RunTokenizer:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 of what decides every token id: the vocabulary (added tokens included), how
-        a probe text is split, the eos token and the chat template. Equal fingerprints, equal
-        ids; it does not depend on how the tokenizer file was written."""
-        vocab = sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        """sha256 of what decides every token id: the tokenizer's pipeline as `tokenizer.json`
+        states it (normalizer, pre-tokenizer, model with its vocabulary and merges, decoder,
+        added tokens; not the post-processor, padding and truncation, which never apply to
+        the ids a run uses), how probe texts split, the eos token and the chat template.
+        Equal fingerprints, equal ids and equal prompts."""
+        spec = json.loads(self.tok.to_str())
+        for unused in ("post_processor", "padding", "truncation"):
+            spec.pop(unused, None)
         canon = {
-            "vocab": vocab,
-            "probe": self.encode(PROBE),
+            "tokenizer": spec,
+            "probe": [self.encode(text) for text in PROBES],
             "eos": self.eos_token,
             "chat_template": self.chat_template,
         }
-        return hashlib.sha256(json.dumps(canon, ensure_ascii=False).encode()).hexdigest()
+        blob = json.dumps(canon, ensure_ascii=False, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -60,7 +60,8 @@ def play(
 
     A turn ends at a newline (or eos, which ends the episode: the model quit); the
     environment's observation is appended (log-prob 0, outside every turn) unless the
-    episode is over. An episode also ends when another turn would not fit the model."""
+    episode is over. An episode also ends, after a model turn, when the observation and
+    another turn would not fit the model."""
     codec = backend.codec
     newline = codec.encode("\n")[-1]
     owner = [i for i in range(len(problems)) for _ in range(group_size)]
@@ -69,10 +70,9 @@ def play(
     lps: list[list[float]] = [[] for _ in games]
     turns: list[list[Turn]] = [[] for _ in games]
     returns, quit_ = [0.0] * len(games), [False] * len(games)
-    live = list(range(len(games)))
+    room = backend.max_positions - env.max_action_tokens  # a context that fits another turn
+    live = [k for k in range(len(games)) if len(prompt_ids[owner[k]]) <= room]
     for turn in range(env.max_turns):
-        room = backend.max_positions - env.max_action_tokens
-        live = [k for k in live if len(prompt_ids[owner[k]]) + len(ids[k]) <= room]
         if not live:
             break
         outs = backend.generate_ids(
@@ -91,8 +91,13 @@ def play(
             obs, reward, done, _ = games[k].step(codec.decode(out.token_ids))
             returns[k] += reward
             quit_[k] = out.finished
-            if not (done or out.finished):
-                obs_ids = codec.encode(obs)
+            obs_ids = codec.encode(obs)
+            # The episode goes on unless it is over or the next turn would not fit; an episode
+            # ends on a model turn (the broker's replay expects no observation after the last).
+            if (
+                not (done or out.finished)
+                and len(prompt_ids[owner[k]]) + len(ids[k]) + len(obs_ids) <= room
+            ):
                 ids[k] += obs_ids
                 lps[k] += [0.0] * len(obs_ids)
                 still.append(k)

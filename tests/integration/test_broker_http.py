@@ -325,7 +325,12 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
             422,
         ),
         (
-            raw({"sampler_id": sid, "group": group(job) | {"completions": [c] * 3, "rewards": [0] * 3}}),
+            raw(
+                {
+                    "sampler_id": sid,
+                    "group": group(job) | {"completions": [c] * 3, "rewards": [0] * 3},
+                }
+            ),
             409,
         ),
         (raw({"sampler_id": sid, "group": group(job) | {"completions": [c] * 3}}), 422),

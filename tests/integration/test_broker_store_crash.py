@@ -47,14 +47,18 @@ def test_acknowledged_pushes_survive_kill_9(tmp_path):
     proc.wait()
     acked += [int(x) for x in proc.stdout.read().split()]
 
-    s = BrokerStore(db, "add", get_task("add").problem, RunTokenizer.builtin().encode, vocab_size=258)
+    s = BrokerStore(
+        db, "add", get_task("add").problem, RunTokenizer.builtin().encode, vocab_size=258
+    )
     stored = [r[0] for r in s.db.execute("SELECT job_id FROM rollouts")]
     assert set(acked) <= set(stored)
     assert len(stored) == len(set(stored))
     assert s.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     from echorl.protocol import SamplerInfo
 
-    nxt = s.lease(s.register(SamplerInfo(name="after", **IDENTITY), 0.0), 3, 2, now=0.0, lease_seconds=10)
+    nxt = s.lease(
+        s.register(SamplerInfo(name="after", **IDENTITY), 0.0), 3, 2, now=0.0, lease_seconds=10
+    )
     created = {r[0] for r in s.db.execute("SELECT job_id FROM jobs")}
     # Leased-but-unpushed jobs from the dead writer come back only after their lease; new ones
     # continue the cursor, never reusing an id.

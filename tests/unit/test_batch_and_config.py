@@ -5,14 +5,15 @@ import torch
 
 from echorl.config import ConfigError, RunConfig, load_config
 from echorl.launch.local import core_split
-from echorl.trainer.batch import Sequence, collate
+from echorl.protocol import Completion, ScoredGroup, Turn
+from echorl.trainer.batch import Row, batch_from_groups, collate
 
 
 def test_collate_masks_only_completion_tokens():
     b = collate(
         [
-            Sequence([5, 6, 7], [8, 1], [-0.5, -0.1], 1.0),
-            Sequence([5], [9, 9, 1], [-1.0, -2.0, -3.0], -1.0),
+            Row([5, 6, 7], [8, 1], [-0.5, -0.1], [1, 1], 1.0),
+            Row([5], [9, 9, 1], [-1.0, -2.0, -3.0], [1, 1, 1], -1.0),
         ],
         pad_id=0,
     )
@@ -27,9 +28,35 @@ def test_collate_masks_only_completion_tokens():
     assert b.rows(torch.tensor([1])).input_ids.tolist() == [[5, 9, 9, 1, 0]]
 
 
-def test_collate_refuses_mismatched_logprobs():
-    with pytest.raises(AssertionError, match="2 completion tokens but 1 log-probs"):
-        collate([Sequence([1], [2, 3], [-1.0], 0.0)], pad_id=0)
+def test_collate_refuses_mismatched_logprobs_and_masks():
+    with pytest.raises(
+        AssertionError, match="row 0: 2 completion tokens, 1 log-probs, a mask of 2"
+    ):
+        collate([Row([1], [2, 3], [-1.0], [1, 1], 0.0)], pad_id=0)
+    ok = Row([1], [2, 3], [-1.0, -1.0], [1, 1], 0.0)
+    with pytest.raises(
+        AssertionError, match="row 1: 2 completion tokens, 2 log-probs, a mask of 3"
+    ):
+        collate([ok, Row([1], [2, 3], [-1.0, -1.0], [1, 1, 0], 0.0)], pad_id=0)
+
+
+def test_batch_from_groups_masks_environment_tokens_and_spreads_advantages():
+    single = Completion(token_ids=[8, 1], logprobs=[-0.5, -0.1], finished=True)
+    episode = Completion(
+        token_ids=[9, 7, 7, 9],
+        logprobs=[-1.0, 0.0, 0.0, -2.0],
+        finished=False,
+        turns=[Turn(start=0, end=1, version=0), Turn(start=3, end=4, version=0)],
+    )
+    groups = [
+        ScoredGroup(job_id=0, version=0, prompt_ids=[5, 6], completions=[single], rewards=[1.0]),
+        ScoredGroup(job_id=1, version=0, prompt_ids=[5], completions=[episode], rewards=[0.0]),
+    ]
+    b = batch_from_groups(groups, torch.tensor([[0.5], [-0.5]]), pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 8, 1, 0], [5, 9, 7, 7, 9]]
+    assert b.loss_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 1]]
+    assert torch.allclose(b.behaviour_logp, torch.tensor([[0, -0.5, -0.1, 0], [-1.0, 0, 0, -2.0]]))
+    assert b.advantages.tolist() == [0.5, -0.5]
 
 
 def test_toml_and_yaml_configs_load_and_overrides_win(tmp_path):

@@ -1,27 +1,39 @@
+import json
+
 import pytest
 
 from echorl.broker.store import Admission, BrokerStore
-from echorl.protocol import ProtocolError, RolloutGroup, SamplerInfo
+from echorl.models.tokenizer import RunTokenizer
+from echorl.protocol import NotFound, ProtocolError, SamplerInfo, ScoredGroup, Unprocessable
 from echorl.tasks import get_task
 
 TASK = get_task("add")
+CODEC = RunTokenizer.builtin()
+CLAIMS = 9.0  # what the sampler claims; the broker's rewards are what `push` is given
 
 
 def store(path, **kw):
-    return BrokerStore(
-        path / "broker.sqlite", "add", TASK.problem, run_seed=0, vocab_size=258, **kw
-    )
+    kw = {"run_seed": 0, "vocab_size": 258} | kw
+    return BrokerStore(path / "broker.sqlite", "add", TASK.problem, CODEC.encode, **kw)
 
 
-def group(job_id, version=0, g=2, ids=(20, 21, 1)):
-    return RolloutGroup.model_validate(
+def job_prompt(s, job_id):
+    """The prompt ids the job was leased with ([1] for a job the store never made)."""
+    row = s.db.execute("SELECT prompt_ids FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+    return json.loads(row[0]) if row else [1]
+
+
+def group(s, job_id, version=0, g=2, ids=(20, 21, 1), prompt_ids=None):
+    return ScoredGroup.model_validate(
         {
             "job_id": job_id,
             "version": version,
+            "prompt_ids": job_prompt(s, job_id) if prompt_ids is None else prompt_ids,
             "completions": [
                 {"token_ids": list(ids), "logprobs": [-0.5] * len(ids), "finished": True}
             ]
             * g,
+            "rewards": [CLAIMS] * g,
         }
     )
 
@@ -38,7 +50,7 @@ def s(tmp_path):
 
 
 def sampler(s, name="s1", now=0.0):
-    return s.register(SamplerInfo(name=name), now)
+    return s.register(SamplerInfo(name=name, tokenizer=CODEC.fingerprint, task="add"), now)
 
 
 def test_lease_draws_new_jobs_from_a_persisted_cursor(tmp_path):
@@ -95,33 +107,107 @@ def test_push_is_idempotent(s):
     a = sampler(s)
     s.set_latest_version(0)
     s.lease(a, 1, 2, now=0, lease_seconds=10)
-    assert s.push(a, group(0), [1.0, 0.0], now=1) is True
-    assert s.push(a, group(0), [1.0, 0.0], now=2) is False
+    assert s.push(a, group(s, 0), [1.0, 0.0], now=1) is True
+    assert s.push(a, group(s, 0), [1.0, 0.0], now=2) is False
     assert s.counts()["rollouts"] == {"ready": 1}
     assert s.counts()["jobs"] == {"done": 1}
 
 
 @pytest.mark.parametrize(
-    "make,reason",
+    "make,error,reason",
     [
-        (lambda s, a, b: s.push(b, group(0), [0, 0], 1), "not leased to sampler"),
-        (lambda s, a, b: s.push(a, group(7), [0, 0], 1), "unknown job 7"),
-        (lambda s, a, b: s.push(a, group(0, version=1), [0, 0], 1), "newer than the latest"),
-        (lambda s, a, b: s.push(a, group(0, g=3), [0, 0, 0], 1), "leased with G = 2"),
-        (lambda s, a, b: s.push(a, group(0, ids=(20, 258)), [0, 0], 1), "outside the vocabulary"),
-        (lambda s, a, b: s.ack([0], step=0), "has no stored group"),
-        (lambda s, a, b: s.set_latest_version(2), "not the next one"),
-        (lambda s, a, b: s.heartbeat("nobody", 1), "unknown sampler"),
+        (lambda s, a, b: s.push(b, group(s, 0), [0, 0], 1), ProtocolError, "not leased to sampler"),
+        (lambda s, a, b: s.push(a, group(s, 7), [0, 0], 1), NotFound, "unknown job 7"),
+        (
+            lambda s, a, b: s.push(a, group(s, 0, version=1), [0, 0], 1),
+            ProtocolError,
+            "newer than the latest",
+        ),
+        (
+            lambda s, a, b: s.push(a, group(s, 0, g=3), [0, 0, 0], 1),
+            ProtocolError,
+            "leased with G = 2",
+        ),
+        (
+            lambda s, a, b: s.push(a, group(s, 0, ids=(20, 258)), [0, 0], 1),
+            Unprocessable,
+            "outside the vocabulary",
+        ),
+        (
+            lambda s, a, b: s.push(a, group(s, 0, prompt_ids=job_prompt(s, 0) + [20]), [0, 0], 1),
+            ProtocolError,
+            "prompt_ids are not the job's prompt",
+        ),
+        (
+            lambda s, a, b: s.push(a, group(s, 0, prompt_ids=job_prompt(s, 1)), [0, 0], 1),
+            ProtocolError,
+            "prompt_ids are not the job's prompt",
+        ),
+        (lambda s, a, b: s.ack([0], step=0), NotFound, "has no stored group"),
+        (lambda s, a, b: s.set_latest_version(2), ProtocolError, "not the next one"),
+        (lambda s, a, b: s.heartbeat("nobody", 1), NotFound, "unknown sampler"),
+        (lambda s, a, b: s.leave("nobody"), NotFound, "unknown sampler"),
+        (lambda s, a, b: s.job_seed(7), NotFound, "unknown job 7"),
     ],
 )
-def test_refused_requests_change_nothing(s, make, reason):
+def test_refused_requests_change_nothing(s, make, error, reason):
     a, b = sampler(s, "a"), sampler(s, "b")
     s.set_latest_version(0)
-    s.lease(a, 1, 2, now=0, lease_seconds=10)
+    s.lease(a, 2, 2, now=0, lease_seconds=10)
+    assert job_prompt(s, 0) != job_prompt(s, 1)
     before = dump(s)
-    with pytest.raises(ProtocolError, match=reason):
+    with pytest.raises(error, match=reason) as caught:
         make(s, a, b)
+    assert type(caught.value) is error
     assert dump(s) == before
+
+
+def test_jobs_carry_the_prompt_encoded_once_by_the_broker(s):
+    a = sampler(s)
+    jobs = s.lease(a, 3, 2, now=0, lease_seconds=10)
+    for j in jobs:
+        assert j.prompt_ids == CODEC.encode(j.prompt) == job_prompt(s, j.job_id)
+        assert CODEC.decode(j.prompt_ids) == TASK.problem(j.seed).prompt
+    problem, ids = s.first_job()
+    assert (problem.prompt, ids) == (jobs[0].prompt, jobs[0].prompt_ids)
+    s.leave(a)  # a returned job is leased again with the ids it was made with
+    again = s.lease(sampler(s, "b"), 1, 2, now=1, lease_seconds=10)
+    assert again[0].prompt_ids == jobs[0].prompt_ids
+
+
+def test_first_job_refuses_a_prompt_the_vocabulary_cannot_hold(tmp_path):
+    s = store(tmp_path)
+    _, ids = s.first_job()
+    s.close()
+    top = max(ids)
+    s = store(tmp_path, vocab_size=top + 1)  # just holds it
+    assert s.first_job()[1] == ids
+    s.close()
+    s = store(tmp_path, vocab_size=top)
+    with pytest.raises(ValueError, match=f"encodes to id {top} >= vocab size {top}"):
+        s.first_job()
+    s.close()
+    empty = BrokerStore(tmp_path / "e.sqlite", "add", TASK.problem, lambda text: [])
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        empty.first_job()
+    empty.close()
+
+
+def test_push_many_stores_each_group_or_says_why_not(s):
+    a = sampler(s)
+    s.set_latest_version(0)
+    s.lease(a, 3, 2, now=0, lease_seconds=10)
+    items = [
+        (group(s, 0), [1.0, 0.0]),
+        (group(s, 1, prompt_ids=job_prompt(s, 2)), [1.0, 0.0]),
+        (group(s, 2), [0.0, 0.0]),
+        (group(s, 0), [1.0, 0.0]),  # already stored, by the first item
+    ]
+    results = s.push_many(a, items, now=1)
+    assert results[0] is True and results[2] is True and results[3] is False
+    assert "prompt_ids are not the job's prompt" in results[1]
+    assert s.counts()["rollouts"] == {"ready": 2}
+    assert s.counts()["jobs"] == {"done": 2, "leased": 1}
 
 
 def test_sync_jobs_need_the_required_version(s):
@@ -130,8 +216,8 @@ def test_sync_jobs_need_the_required_version(s):
     s.set_latest_version(1)
     s.lease(a, 1, 2, now=0, lease_seconds=10, required_version=1)
     with pytest.raises(ProtocolError, match="requires version 1"):
-        s.push(a, group(0, version=0), [0, 0], 1)
-    assert s.push(a, group(0, version=1), [0, 0], 1)
+        s.push(a, group(s, 0, version=0), [0, 0], 1)
+    assert s.push(a, group(s, 0, version=1), [0, 0], 1)
 
 
 def fill(s, versions):
@@ -140,21 +226,25 @@ def fill(s, versions):
         s.set_latest_version(v)
     jobs = s.lease(a, len(versions), 2, now=0, lease_seconds=10)
     for j, v in zip(jobs, versions):
-        s.push(a, group(j.job_id, version=v), [1.0, 0.0], now=1)
+        s.push(a, group(s, j.job_id, version=v), [1.0, 0.0], now=1)
 
 
 def test_sync_pull_takes_exactly_one_version(s):
     fill(s, [1, 2, 2, 1])
     groups, dropped = s.pull(10, now=2, lease_seconds=10, version=2)
-    assert sorted(g.group.job_id for g in groups) == [1, 2]
+    assert sorted(g.job_id for g in groups) == [1, 2]
     assert dropped == 2  # version 1 can never be consumed once the trainer is at step 2
-    assert all(g.group.version == 2 and g.rewards == [1.0, 0.0] for g in groups)
+    # Pulled groups carry the broker's rewards, never the sampler's claims (CLAIMS each).
+    assert all(g.version == 2 and g.rewards == [1.0, 0.0] for g in groups)
+    assert all(
+        isinstance(g, ScoredGroup) and g.prompt_ids == job_prompt(s, g.job_id) for g in groups
+    )
 
 
 def test_async_pull_drops_too_stale_groups_and_takes_the_freshest(s):
     fill(s, [0, 1, 3, 3, 4])
     groups, dropped = s.pull(2, now=2, lease_seconds=10, min_version=2)
-    assert [g.group.version for g in groups] == [4, 3]
+    assert [g.version for g in groups] == [4, 3]
     assert dropped == 2
     assert s.counts()["rollouts"] == {"pulled": 2, "ready": 1, "stale": 2}
 
@@ -164,9 +254,9 @@ def test_async_pull_takes_groups_at_the_bound_before_fresher_ones(s):
     so that nothing admitted is generated for nothing."""
     fill(s, [2, 4, 3, 2, 4])
     groups, _ = s.pull(3, now=2, lease_seconds=10, min_version=2)
-    assert [g.group.version for g in groups] == [2, 2, 4]
+    assert [g.version for g in groups] == [2, 2, 4]
     groups, dropped = s.pull(2, now=2, lease_seconds=10, min_version=3)
-    assert [g.group.version for g in groups] == [3, 4] and dropped == 0
+    assert [g.version for g in groups] == [3, 4] and dropped == 0
 
 
 def test_pulled_groups_come_back_if_not_acked_and_are_consumed_once(s):
@@ -175,7 +265,7 @@ def test_pulled_groups_come_back_if_not_acked_and_are_consumed_once(s):
     assert s.pull(3, now=3, lease_seconds=10, version=0)[0] == []  # leased to the trainer
     s.expire(now=20, sampler_timeout=1e9)  # the trainer died before acking
     again, _ = s.pull(3, now=20, lease_seconds=10, version=0)
-    assert [g.group.job_id for g in again] == [g.group.job_id for g in first]
+    assert [g.job_id for g in again] == [g.job_id for g in first]
     assert s.ack([0, 1, 2], step=0) == 3
     assert s.ack([0, 1, 2], step=0) == 0  # re-ack is a no-op
     s.expire(now=100, sampler_timeout=1e9)
@@ -191,9 +281,9 @@ def test_admission_keeps_out_only_what_the_bound_lets_the_trainer_consume(s):
     jobs = s.lease(a, 9, 2, now=0, lease_seconds=10, admit=admit)
     assert len(jobs) == 4  # (0 + 1 + 1) * B
     for j in jobs:
-        s.push(a, group(j.job_id), [1.0, 0.0], now=1)
+        s.push(a, group(s, j.job_id), [1.0, 0.0], now=1)
     pulled, _ = s.pull(2, now=2, lease_seconds=10, min_version=0)
-    s.ack([g.group.job_id for g in pulled], step=0)
+    s.ack([g.job_id for g in pulled], step=0)
     assert s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit) == []  # consumed still count
     s.set_latest_version(1)
     assert len(s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit)) == 2
@@ -213,9 +303,9 @@ def test_a_retried_pull_gets_the_same_groups(s):
     fill(s, [0, 0, 0, 0])
     first, _ = s.pull(2, now=2, lease_seconds=10, version=0, request_id="r1")
     again, _ = s.pull(2, now=3, lease_seconds=10, version=0, request_id="r1")
-    assert [g.group.job_id for g in again] == [g.group.job_id for g in first] == [0, 1]
+    assert [g.job_id for g in again] == [g.job_id for g in first] == [0, 1]
     other, _ = s.pull(2, now=3, lease_seconds=10, version=0, request_id="r2")
-    assert [g.group.job_id for g in other] == [2, 3]
+    assert [g.job_id for g in other] == [2, 3]
 
 
 def test_rewind_returns_what_the_dead_trainer_consumed_and_forgets_its_versions(s):

@@ -6,9 +6,9 @@ import pytest
 
 from echorl.config import SamplingConfig
 from echorl.models import load_policy
-from echorl.sampler.backends.hf import HFBackend
+from echorl.rollout.evaluate import evaluate
+from echorl.rollout.hf import HFBackend
 from echorl.tasks.base import Problem, success
-from echorl.trainer.evaluate import evaluate
 
 
 @dataclass(frozen=True)

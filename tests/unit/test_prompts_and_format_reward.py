@@ -2,10 +2,9 @@
 
 import pytest
 
-from echorl.broker.scoring import score_group
 from echorl.config import SamplingConfig
-from echorl.models.prompts import encode_prompts
-from echorl.models.tokenizer import build_byte_tokenizer
+from echorl.models.tokenizer import RunTokenizer, TokenizerError, build_byte_tokenizer
+from echorl.rollout.scoring import score_group
 from echorl.tasks import get_task
 from echorl.tasks.base import reward
 
@@ -16,15 +15,31 @@ TEMPLATE = (
 
 
 def test_plain_and_chat_prompts():
+    codec = RunTokenizer.builtin()
+    plain = codec.encode_prompts(["12+34=", "5+5="], SamplingConfig())
+    assert [codec.decode(ids) for ids in plain] == ["12+34=", "5+5="]
+    assert plain[0] == codec.encode("12+34=") == codec.encode_prompt("12+34=", SamplingConfig())
+    with pytest.raises(TokenizerError, match="needs a tokenizer with a chat template"):
+        codec.encode_prompts(["12+34="], SamplingConfig(prompt_format="chat"))
+    assert issubclass(TokenizerError, ValueError)
     tok = build_byte_tokenizer()
-    plain = encode_prompts(tok, ["12+34="], SamplingConfig())
-    assert tok.decode(plain[0]) == "12+34="
-    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
-        encode_prompts(tok, ["12+34="], SamplingConfig(prompt_format="chat"))
     tok.chat_template = TEMPLATE
+    templated = RunTokenizer.from_hf(tok)
     chat = SamplingConfig(prompt_format="chat", system_prompt="Answer briefly.")
-    (ids,) = encode_prompts(tok, ["12+34="], chat)
-    assert tok.decode(ids) == "<system>Answer briefly.\n<user>12+34=\n<assistant>"
+    (ids,) = templated.encode_prompts(["12+34="], chat)
+    assert templated.decode(ids) == "<system>Answer briefly.\n<user>12+34=\n<assistant>"
+    # Rendered as transformers renders it, so every role sees the same prompt ids.
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "12+34="},
+    ]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert templated.render_chat("12+34=", "Answer briefly.") == rendered
+    assert ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert templated.render_chat("x") == "<user>x\n<assistant>"  # no system prompt, no turn
+    # The template is part of the fingerprint: a run's samplers must share it.
+    assert templated.fingerprint != codec.fingerprint
+    assert RunTokenizer.from_hf(build_byte_tokenizer()).fingerprint == codec.fingerprint
 
 
 def test_format_reward_is_a_separate_bonus():
@@ -41,15 +56,12 @@ def test_format_reward_is_a_separate_bonus():
 
 
 def test_the_broker_adds_the_format_reward_too():
-    from echorl.models.tokenizer import byte_tokenizer
     from echorl.protocol import Completion
 
-    raw = byte_tokenizer()
+    codec = RunTokenizer.builtin()
     rg = get_task("rg:knights_knaves")
     q = rg.problem(3)
-    ids = raw.encode(rg.demonstration(q), add_special_tokens=False).ids
+    ids = codec.encode(rg.demonstration(q)) + [codec.eos_id]  # eos is not part of the text
     c = Completion(token_ids=ids, logprobs=[-0.1] * len(ids), finished=True)
-    enc = lambda t: raw.encode(t, add_special_tokens=False).ids  # noqa: E731
-    dec = lambda i: raw.decode(i, skip_special_tokens=True)  # noqa: E731
-    assert score_group(rg, 3, [c], enc, dec) == [1.0]
-    assert score_group(rg, 3, [c], enc, dec, format_reward=0.1) == [pytest.approx(1.1)]
+    assert score_group(rg, q, [c], codec) == [1.0]
+    assert score_group(rg, q, [c], codec, format_reward=0.1) == [pytest.approx(1.1)]

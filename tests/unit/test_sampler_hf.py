@@ -1,25 +1,35 @@
 import torch
 
 from echorl.config import SamplingConfig
-from echorl.sampler.backends.hf import HFBackend
-from echorl.trainer.batch import Sequence, collate, token_logprobs
+from echorl.rollout.hf import HFBackend
+from echorl.trainer.batch import Row, collate, token_logprobs
 
 PROMPTS = ["12+34=", "5+5=", "rev:abcdefg=", "3 5 7>22:"]
 
 
-def sample(tiny, params, n=4, seed=3, max_new=12):
+def prompt_ids(tiny, params=SamplingConfig()):
     model, tok = tiny
-    return HFBackend(model, tok).generate(PROMPTS, n, params, max_new, seed)
+    return HFBackend(model, tok).codec.encode_prompts(PROMPTS, params)
+
+
+def sample(tiny, params, n=4, seed=3, max_new=12):
+    """`n` completions of each prompt, as one list per prompt."""
+    model, tok = tiny
+    backend = HFBackend(model, tok)
+    contexts = [ids for ids in backend.codec.encode_prompts(PROMPTS, params) for _ in range(n)]
+    flat = backend.generate_ids(contexts, params, max_new, seed)
+    assert len(flat) == len(PROMPTS) * n
+    return [flat[i * n : (i + 1) * n] for i in range(len(PROMPTS))]
 
 
 def trainer_logprobs(tiny, groups, temperature=1.0):
     model, tok = tiny
-    seqs = [
-        Sequence(tok(p, add_special_tokens=False)["input_ids"], c.token_ids, c.logprobs, 0.0)
-        for p, group in zip(PROMPTS, groups)
+    rows = [
+        Row(ids, c.token_ids, c.logprobs, c.mask, 0.0)
+        for ids, group in zip(prompt_ids(tiny), groups)
         for c in group
     ]
-    batch = collate(seqs, tok.pad_token_id)
+    batch = collate(rows, tok.pad_token_id)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature)
     return batch, logp
@@ -72,19 +82,31 @@ def test_greedy_is_deterministic_and_stops_at_eos(tiny):
 
 
 def test_real_rollouts_satisfy_the_wire_protocol(tiny):
-    from echorl.config import SamplingConfig
-    from echorl.sampler.rollout import rollout, to_wire
+    from echorl.protocol import JobState, ScoredGroup
+    from echorl.rollout.generate import rollout
+    from echorl.rollout.scoring import score_group
     from echorl.tasks import get_task, take
 
     model, tok = tiny
+    backend = HFBackend(model, tok)
     task = get_task("countdown")
-    groups = rollout(
-        HFBackend(model, tok), task, take(task, 3, seed=0), 4, SamplingConfig(), seed=0
-    )
-    for job_id, g in enumerate(groups):
-        wire = to_wire(g, job_id)
-        wire.check_against(vocab_size=len(tok), group_size=4, latest_version=0)
-        assert wire.claimed_rewards == g.rewards
+    problems = take(task, 3, seed=0)
+    params = SamplingConfig()
+    ids = backend.codec.encode_prompts([p.prompt for p in problems], params)
+    groups = rollout(backend, task, problems, ids, 4, params, seed=0, job_ids=[7, 8, 9])
+    assert [g.job_id for g in groups] == [7, 8, 9]
+    for g, problem, prompt in zip(groups, problems, ids):
+        # The group is what a sampler pushes: it survives the wire's validation unchanged.
+        wire = ScoredGroup.model_validate_json(g.model_dump_json())
+        assert wire == g
+        assert wire.prompt_ids == prompt and wire.version == 0
+        wire.check_against(
+            JobState(group_size=4, prompt_ids=prompt),
+            vocab_size=backend.codec.vocab_size,
+            latest_version=0,
+        )
+        # Its rewards are the sampler's claims: what the broker's scoring gives the same tokens.
+        assert wire.rewards == score_group(task, problem, wire.completions, backend.codec)
         assert wire.tokens == sum(len(c.token_ids) for c in g.completions)
 
 
