@@ -297,8 +297,9 @@ class LaunchConfig(_Section):
         300.0,
         ge=5.0,
         le=86400.0,
-        description="stop the run, with the reason, when no trainer step completes for this "
-        "long (the first step's clock starts when the trainer has published v0)",
+        description="stop the run, with the reason, when the trainer neither logs a step nor "
+        "publishes a version for this long (counted from the launch; raise it when the first "
+        "evaluation of a big model takes longer)",
     )
 
 

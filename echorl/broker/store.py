@@ -265,45 +265,60 @@ class BrokerStore:
                     "SELECT job_id FROM jobs WHERE state = 'queued' ORDER BY job_id LIMIT ?", (n,)
                 )
             ]
-            cursor = c.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()[0]
-            fresh = range(cursor, cursor + n - len(queued))
-            for job_id in fresh:
-                seed, problem = self._problem_for(job_id)
-                ids = json.dumps(self.encode(problem.prompt))
-                c.execute(
-                    "INSERT INTO jobs (job_id, task, seed, prompt, prompt_ids, group_size, state) "
-                    "VALUES (?, ?, ?, ?, ?, ?, 'queued')",
-                    (job_id, self.task, seed, problem.prompt, ids, group_size),
-                )
-            c.execute("UPDATE meta SET value = ? WHERE key = 'cursor'", (fresh.stop,))
-            ids = queued + list(fresh)
+            fresh = self._create_jobs(c, n - len(queued), group_size)
             deadline = now + lease_seconds
-            jobs = []
-            for job_id in ids:
-                c.execute(
-                    "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_deadline = ?, "
-                    "required_version = ? WHERE job_id = ?",
-                    (sampler_id, deadline, required_version, job_id),
-                )
-                task, seed, prompt, ids, g = c.execute(
-                    "SELECT task, seed, prompt, prompt_ids, group_size FROM jobs WHERE job_id = ?",
-                    (job_id,),
-                ).fetchone()
-                jobs.append(
-                    Job(
-                        job_id=job_id,
-                        task=task,
-                        seed=seed,
-                        prompt=prompt,
-                        prompt_ids=json.loads(ids),
-                        group_size=g,
-                        required_version=required_version,
-                        lease_deadline=deadline,
-                    )
-                )
-            return jobs
+            return [
+                self._lease_one(c, job_id, sampler_id, deadline, required_version)
+                for job_id in queued + fresh
+            ]
 
         return self._tx(fn)
+
+    def _create_jobs(self, c, count: int, group_size: int) -> list[int]:
+        """`count` new queued jobs from the cursor, each with its problem's prompt encoded
+        once (the ids every sampler generates from); their ids."""
+        cursor = c.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()[0]
+        fresh = range(cursor, cursor + count)
+        for job_id in fresh:
+            seed, problem = self._problem_for(job_id)
+            c.execute(
+                "INSERT INTO jobs (job_id, task, seed, prompt, prompt_ids, group_size, state) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'queued')",
+                (
+                    job_id,
+                    self.task,
+                    seed,
+                    problem.prompt,
+                    json.dumps(self.encode(problem.prompt)),
+                    group_size,
+                ),
+            )
+        c.execute("UPDATE meta SET value = ? WHERE key = 'cursor'", (fresh.stop,))
+        return list(fresh)
+
+    @staticmethod
+    def _lease_one(
+        c, job_id: int, sampler_id: str, deadline: float, required_version: int | None
+    ) -> Job:
+        c.execute(
+            "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_deadline = ?, "
+            "required_version = ? WHERE job_id = ?",
+            (sampler_id, deadline, required_version, job_id),
+        )
+        task, seed, prompt, prompt_ids, g = c.execute(
+            "SELECT task, seed, prompt, prompt_ids, group_size FROM jobs WHERE job_id = ?",
+            (job_id,),
+        ).fetchone()
+        return Job(
+            job_id=job_id,
+            task=task,
+            seed=seed,
+            prompt=prompt,
+            prompt_ids=json.loads(prompt_ids),
+            group_size=g,
+            required_version=required_version,
+            lease_deadline=deadline,
+        )
 
     @staticmethod
     def _budget(c, latest: int, admit: Admission) -> int:

@@ -9,7 +9,9 @@ writes the resolved config to `OUT/config.yaml`, and starts `echorl broker`,
 exactly as they would be started by hand on separate machines. Each child logs
 to `OUT/logs/ROLE.log`. While the trainer runs, a live table shows step,
 reward, version, staleness, samplers alive and tokens/s; Ctrl-C (or SIGTERM)
-stops every child cleanly (the trainer checkpoints first). A sampler that dies
+stops every child cleanly (the trainer checkpoints first). A run with no trainer
+record and no new version for `launch.stall_timeout_s` is stopped with a report of
+each process's last complaint: it never sits at step 0. A sampler that dies
 is reported and the run goes on; the broker or trainer dying ends the run.
 At the end: `OUT/metrics.jsonl`, the PNG plots, and a summary table.
 
@@ -244,7 +246,7 @@ class LiveView:
         self.recent: deque[float] = deque(maxlen=10)  # the last 10 steps' rewards
         self.alive, self.version, self.speed = [], "?", 0.0
         self.asked = float("-inf")
-        self.progressed = time.monotonic()  # when the trainer last wrote a record
+        self.progressed = time.monotonic()  # the last trainer record or published version
 
     def update(self) -> None:
         records = self.tail.read()
@@ -266,6 +268,8 @@ class LiveView:
                 timeout=1.0,
             ).json()
             self.alive = [s for s in st["samplers"] if s["state"] == "alive"]
+            if st["latest_version"] != self.version:  # a published version is progress too
+                self.progressed = time.monotonic()
             self.version = st["latest_version"]
             self.speed = sum(s["tokens_per_s"] or 0 for s in self.alive)
         except (httpx.HTTPError, ValueError, KeyError):
