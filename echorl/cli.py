@@ -401,11 +401,17 @@ def run(
     config: Path = typer.Argument(None, help="run config, TOML or YAML (default: all defaults)"),
     out: str = typer.Option(None, help="output folder (train.out_dir)"),
     resume: bool = typer.Option(False, help="resume the trainer from its last checkpoint"),
+    config_option: Path = typer.Option(
+        None, "--config", "-c", help="run config, as for every verb (or give it as CONFIG)"
+    ),
     override: list[str] = OVERRIDE,
 ) -> None:
     """The whole swarm on this machine: broker, samplers and trainer as separate processes,
     with a live view and a report at the end."""
-    cfg = _config(config, override, **{"train.out_dir": out})
+    if config and config_option:
+        console.print("[red]-c:[/red] give the config once, as CONFIG or as -c FILE")
+        raise typer.Exit(2)
+    cfg = _config(config or config_option, override, **{"train.out_dir": out})
     raise typer.Exit(_run_swarm(cfg, resume))
 
 

@@ -110,3 +110,22 @@ def test_eval_prints_accuracy(warm):
     assert "held-out greedy accuracy" in echorl("eval", "--model", str(warm), "--n", "8").stdout
     shown = echorl("eval", "--model", str(warm), "--n", "8", "--samples", "2").stdout
     assert "sampled pass@1" in shown and "(2 per problem)" in shown
+
+
+def test_every_settings_verb_takes_a_config_file_and_overrides(warm, tmp_path):
+    """`-c FILE` and `-o key=value` the same way on every verb that reads settings: a field
+    from the file is used, an override wins over it, a bad one is named."""
+    (tmp_path / "run.toml").write_text('[task]\nname = "reverse"\n[train]\neval_prompts = 4\n')
+    c = ["-c", str(tmp_path / "run.toml")]
+    shown = echorl("eval", "--model", str(warm), *c).stdout
+    assert shown.startswith("reverse:") and "(n=4)" in shown
+    shown = echorl(
+        "eval", "--model", str(warm), *c, "-o", "task.name=add", "-o", "train.eval_prompts=3"
+    )
+    assert shown.stdout.startswith("add:") and "(n=3)" in shown.stdout
+    needs = {"sft": ["--out", str(tmp_path / "x")], "train": ["--colocated"]}
+    for verb in ("sft", "train", "eval", "run", "broker", "sampler", "trainer", "demo"):
+        bad = echorl(verb, *needs.get(verb, []), *c, "-o", "train.steps=-1", check=False)
+        assert bad.returncode == 2 and "train.steps" in bad.stdout, (verb, bad.stdout, bad.stderr)
+    both = echorl("run", str(tmp_path / "run.toml"), *c, check=False)
+    assert both.returncode == 2 and "give the config once" in both.stdout
