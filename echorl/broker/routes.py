@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, PlainTextResponse
 from prometheus_client import generate_latest
+from starlette.requests import ClientDisconnect
 
 from echorl.broker.auth import SAMPLER, TRAINER
 from echorl.broker.state import BrokerState
@@ -229,7 +230,11 @@ async def publish(
         return st.weights.describe(version)  # a retry whose first answer was lost: stored
     if version != latest + 1:
         raise ProtocolError(f"version {version} is not the next one (latest is {latest})")
-    await st.weights.receive(version, sha256, request.stream())
+    try:
+        await st.weights.receive(version, sha256, request.stream())
+    except ClientDisconnect:  # the trainer died mid-upload: nothing was stored
+        log.warning("the upload of version %d broke off; nothing stored", version)
+        raise BadRequest(f"the upload of version {version} broke off; nothing stored") from None
     st.store.set_latest_version(version)
     st.metrics.latest.set(version)
     st.jobs_bell.ring()  # a new version admits more jobs

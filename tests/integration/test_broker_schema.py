@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from echorl.broker.app import create_app
 from echorl.config import load_config
+from echorl.protocol import MAX_WAIT_S
 from tests.integration.conftest import SAMPLER, TRAINER
 
 EXAMPLES_PER_ROUTE = 60
@@ -38,7 +39,10 @@ def test_no_generated_request_makes_the_broker_fail(tmp_path):
             suppress_health_check=list(HealthCheck),
         )
         def check(case):
-            response = case.call(headers={"Authorization": f"Bearer {TRAINER}"})
+            # A long poll may be held MAX_WAIT_S: the read timeout must outlast it.
+            response = case.call(
+                headers={"Authorization": f"Bearer {TRAINER}"}, timeout=MAX_WAIT_S + 20
+            )
             seen.setdefault(f"{op.method.upper()} {op.path}", set()).add(response.status_code)
             assert response.status_code < 500, (
                 case.method,

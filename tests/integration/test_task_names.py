@@ -46,11 +46,12 @@ def test_a_jsonl_file_of_problems_learns_through_the_swarm(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "run"
     task = f"task.name=jsonl:{data}"
-    echorl_run(out, task, "sampling.max_new_tokens=12", "sft.steps=600", *RL)
+    echorl_run(out, task, "sampling.max_new_tokens=12", "sft.steps=300", *RL)
     first, last, before, after = rewards(out)
     assert honest(out)
+    # Measured: train reward 0.402 -> 0.425, held-out greedy 0.65 -> 0.81.
     assert first > 0.05 and before > 0.05, (first, before)  # math-verify scores \boxed{46}
-    assert last >= first + 0.02, (first, last)
+    assert last >= first + 0.01 and after >= before + 0.05, (first, last, before, after)
 
 
 @pytest.mark.slow
@@ -70,10 +71,11 @@ def test_a_reasoning_gym_dataset_learns_through_the_swarm(tmp_path):
 def test_a_user_task_by_file_path_learns_through_the_swarm(tmp_path):
     out = tmp_path / "run"
     task = f"task.name={EXAMPLES / 'custom_task.py'}:SortDigits"
-    echorl_run(out, task, "sft.steps=150", *RL)  # a short warm-up leaves RL something to do
+    echorl_run(out, task, "sft.steps=80", *RL)  # a short warm-up leaves RL something to do
     first, last, before, after = rewards(out)
     assert honest(out)
-    assert first > 0.05 and last >= first + 0.02, (first, last)
+    # Measured: train reward (partial credit, sampled) 0.587 -> 0.658.
+    assert first > 0.05 and last >= first + 0.03, (first, last)
 
 
 def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
@@ -101,7 +103,7 @@ def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
         "    def demonstration(self, problem): return ''\n"
     )
     raised = broker(f"task.name={bad}:Bad")
-    assert raised.returncode == 2 and "no data mounted" in raised.stdout, raised.stdout
+    assert raised.returncode == 2 and "no data mounted" in " ".join(raised.stdout.split())
     assert not (tmp_path / "b" / "weights").exists()  # refused before it served anything
 
 
