@@ -1,7 +1,8 @@
 """BrokerClient: the typed HTTP client every sampler and trainer uses to talk to the broker.
 
     client = BrokerClient("http://127.0.0.1:8000", token="...")
-    sid = client.register(SamplerInfo(name="laptop"))
+    run = client.run_info()  # the task and tokenizer fingerprint a sampler must match
+    sid = client.register(SamplerInfo(name="laptop", tokenizer=run.tokenizer, task=run.task))
     jobs = client.lease(sid, n=4).jobs
 
 Errors:

@@ -293,7 +293,7 @@ class WeightVersion(_Wire):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
-# -- request and reply bodies of the broker's routes (client <-> broker/app.py) --------------
+# -- request and reply bodies of the broker's routes (client <-> broker/routes.py) --------------
 
 
 class RegisterReply(_Wire):

@@ -19,7 +19,14 @@ from echorl.broker.store import Admission, BrokerStore
 from echorl.broker.weights import WeightStore
 from echorl.config import ModelConfig, RunConfig
 from echorl.models.tokenizer import RunTokenizer, TokenizerError
-from echorl.protocol import NotFound, ProtocolError, RunInfo, ScoredGroup, WeightVersion
+from echorl.protocol import (
+    NotFound,
+    ProtocolError,
+    RunInfo,
+    ScoredGroup,
+    Unprocessable,
+    WeightVersion,
+)
 from echorl.rollout.scoring import score_group
 from echorl.tasks import Environment, Task, get_task
 
@@ -89,7 +96,14 @@ class BrokerState:
     groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
 
     def rescore(self, group: ScoredGroup) -> list[float]:
-        """The broker's own rewards for a group: the sampler's claims are never trusted."""
+        """The broker's own rewards for a group: the sampler's claims are never trusted.
+        Token ids are checked against the vocabulary first: nothing else decodes them."""
+        for k, c in enumerate(group.completions):
+            if max(c.token_ids) >= self.codec.vocab_size:
+                raise Unprocessable(
+                    f"completions[{k}]: token id {max(c.token_ids)} is outside the vocabulary "
+                    f"(size {self.codec.vocab_size})"
+                )
         problem = self.task.problem(self.store.job_seed(group.job_id))
         return score_group(
             self.task, problem, group.completions, self.codec, self.cfg.task.format_reward
@@ -132,6 +146,44 @@ def run_tokenizer(model: ModelConfig) -> RunTokenizer:
     return RunTokenizer.from_folder(folder) if folder else RunTokenizer.builtin()
 
 
+def open_store(cfg: RunConfig, task: Task | Environment, codec: RunTokenizer) -> BrokerStore:
+    """The data dir's store, checked: the first job can be made as a lease would make it, and
+    the data dir serves this run (task, tokenizer, prompt format; recorded at the first
+    start that gets this far). SetupError otherwise."""
+    data = Path(cfg.broker.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    store = BrokerStore(
+        data / "broker.sqlite",
+        task.name,
+        task.problem,
+        lambda text: codec.encode_prompt(text, cfg.sampling),
+        run_seed=cfg.task.seed,
+        vocab_size=codec.vocab_size,
+        synchronous=cfg.broker.synchronous,
+        max_attempts=cfg.broker.max_attempts,
+    )
+    identity = {
+        "task": task.name,
+        "tokenizer": codec.fingerprint,
+        "prompts": cfg.sampling.model_dump_json(
+            include={"prompt_format", "system_prompt"}
+            if cfg.sampling.prompt_format == "chat"
+            else {"prompt_format"}
+        ),
+    }
+    try:
+        store.first_job()
+    except Exception as e:  # the task's or the template's own code: any failure is the reason
+        store.close()
+        raise SetupError(f"the first job of {task.name!r} cannot be made: {e}") from None
+    try:
+        store.check_run(identity)
+    except ValueError as e:
+        store.close()
+        raise SetupError(str(e)) from None
+    return store
+
+
 def build_state(cfg: RunConfig) -> BrokerState:
     """Everything the routes need, checked: the task builds, the tokenizer loads, and the first
     job's prompt encodes to ids in the vocabulary. Raises SetupError with the reason."""
@@ -149,22 +201,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
     except ValueError as e:
         raise SetupError(str(e)) from None
     data = Path(b.data_dir)
-    data.mkdir(parents=True, exist_ok=True)
-    store = BrokerStore(
-        data / "broker.sqlite",
-        task.name,
-        task.problem,
-        lambda text: codec.encode_prompt(text, cfg.sampling),
-        run_seed=cfg.task.seed,
-        vocab_size=codec.vocab_size,
-        synchronous=b.synchronous,
-        max_attempts=b.max_attempts,
-    )
-    try:
-        store.first_job()
-    except Exception as e:  # the task's or the template's own code: any failure is the reason
-        store.close()
-        raise SetupError(f"the first job of {task.name!r} cannot be made: {e}") from None
+    store = open_store(cfg, task, codec)
     metrics = Metrics()
     metrics.latest.set(store.latest_version())
     return BrokerState(

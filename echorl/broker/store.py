@@ -24,6 +24,7 @@ async with `max_staleness = 0` reproduces it exactly.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import uuid
@@ -31,12 +32,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from echorl.protocol import Job, JobState, NotFound, ProtocolError, SamplerInfo, ScoredGroup
+from echorl.protocol import (
+    MAX_PROMPT_TOKENS,
+    Job,
+    JobState,
+    NotFound,
+    ProtocolError,
+    SamplerInfo,
+    ScoredGroup,
+)
 from echorl.seeding import derive_seed
 from echorl.tasks import Problem, is_heldout
 
+log = logging.getLogger("echorl.broker")
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS samplers (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, hardware TEXT NOT NULL, backend TEXT NOT NULL,
     max_batch INTEGER NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
@@ -212,6 +224,30 @@ class BrokerStore:
 
     # -- jobs ---------------------------------------------------------------------------------
 
+    def check_run(self, identity: dict[str, str]) -> None:
+        """The run this data dir serves (task, tokenizer, prompt format): recorded on first
+        start, compared on every later one. ValueError names what differs, so a broker is
+        never restarted on jobs whose prompt ids another tokenizer or format made."""
+        columns = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
+        if "prompt_ids" not in columns:
+            raise ValueError(
+                "this data dir was written by an older echorl (its jobs carry no prompt ids): "
+                "start the broker on a fresh data dir"
+            )
+
+        def fn(c):
+            c.executemany("INSERT OR IGNORE INTO run VALUES (?, ?)", identity.items())
+            return dict(c.execute("SELECT key, value FROM run").fetchall())
+
+        recorded = self._tx(fn)
+        for key, value in identity.items():
+            if recorded[key] != value:
+                raise ValueError(
+                    f"this data dir belongs to a run with {key} {recorded[key][:64]!r}, not "
+                    f"{value[:64]!r}: start the broker on a fresh data dir (or with that run's "
+                    "config)"
+                )
+
     def first_job(self) -> tuple[Problem, list[int]]:
         """Job 0's problem and prompt ids, made as a lease would make them (nothing stored):
         the check, at start, that the task and the tokenizer can serve the run."""
@@ -279,22 +315,25 @@ class BrokerStore:
         once (the ids every sampler generates from); their ids."""
         cursor = c.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()[0]
         fresh = range(cursor, cursor + count)
+        made = []
         for job_id in fresh:
-            seed, problem = self._problem_for(job_id)
+            try:  # the task's and the template's own code: a failure parks this job alone
+                seed, problem = self._problem_for(job_id)
+                prompt, ids = problem.prompt, self.encode(problem.prompt)
+                if not ids or len(ids) > MAX_PROMPT_TOKENS or max(ids) >= self.vocab_size:
+                    raise ValueError(f"its prompt encodes to {len(ids)} ids, not all in the vocab")
+                state = "queued"
+                made.append(job_id)
+            except Exception as e:
+                log.error("job %d cannot be made, parked: %s: %s", job_id, type(e).__name__, e)
+                seed, prompt, ids, state = 0, f"(cannot be made: {e})"[:1000], [], "parked"
             c.execute(
                 "INSERT INTO jobs (job_id, task, seed, prompt, prompt_ids, group_size, state) "
-                "VALUES (?, ?, ?, ?, ?, ?, 'queued')",
-                (
-                    job_id,
-                    self.task,
-                    seed,
-                    problem.prompt,
-                    json.dumps(self.encode(problem.prompt)),
-                    group_size,
-                ),
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job_id, self.task, seed, prompt, json.dumps(ids), group_size, state),
             )
         c.execute("UPDATE meta SET value = ? WHERE key = 'cursor'", (fresh.stop,))
-        return list(fresh)
+        return made
 
     @staticmethod
     def _lease_one(

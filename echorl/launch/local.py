@@ -268,7 +268,8 @@ class LiveView:
                 timeout=1.0,
             ).json()
             self.alive = [s for s in st["samplers"] if s["state"] == "alive"]
-            if st["latest_version"] != self.version:  # a published version is progress too
+            if isinstance(self.version, int) and st["latest_version"] != self.version:
+                # a published version is progress too
                 self.progressed = time.monotonic()
             self.version = st["latest_version"]
             self.speed = sum(s["tokens_per_s"] or 0 for s in self.alive)
@@ -308,8 +309,8 @@ def stall_report(swarm: Swarm, view: LiveView, stalled: float) -> str:
     complaint (the broker's reasons reach the samplers' and trainer's logs)."""
     step = view.last.get("step", 0)
     lines = [
-        f"no trainer step for {stalled:.0f} s (launch.stall_timeout_s; last step {step}/"
-        f"{view.cfg.train.steps}, samplers alive {len(view.alive)}/{len(swarm.samplers)}): "
+        f"no trainer step or new version for {stalled:.0f} s (launch.stall_timeout_s; last "
+        f"step {step}/{view.cfg.train.steps}, samplers alive {len(view.alive)}/{len(swarm.samplers)}): "
         "stopping the run. Last words:"
     ]
     for log in sorted((swarm.out / "logs").glob("*.log")):

@@ -41,8 +41,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     picks a class from the model type instead: on a Qwen2 folder holding a
     character-level `tokenizer.json` it builds Qwen2's byte-level tokenizer, which
     silently drops spaces.) A folder without `tokenizer.json` falls back on
-    `AutoTokenizer`; the broker cannot read such a tokenizer, so the decoupled roles
-    refuse it, the co-located loop can use it.
+    `AutoTokenizer`; the broker refuses to start on such a folder (it reads tokenizer.json),
+    while the co-located loop can use a fast tokenizer loaded that way.
     """
     path = _check_dir(path)
     if (path / "tokenizer.json").is_file():

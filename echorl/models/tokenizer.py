@@ -77,6 +77,7 @@ class RunTokenizer:
     tok: Tokenizer
     eos_token: str
     chat_template: str | None = None
+    bos_token: str | None = None  # what chat templates that start with {{ bos_token }} write
 
     @classmethod
     def builtin(cls) -> RunTokenizer:
@@ -96,8 +97,7 @@ class RunTokenizer:
             )
         tok = Tokenizer.from_file(str(file))
         config = _read_json(path / "tokenizer_config.json")
-        eos = config.get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
+        eos, bos = (_token(config.get(key)) for key in ("eos_token", "bos_token"))
         if eos is None:  # fall back on the model's config
             eos_id = _read_json(path / "config.json").get("eos_token_id")
             eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
@@ -108,8 +108,8 @@ class RunTokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tok, eos, template)
+            template = {t.get("name"): t.get("template") for t in template}
+        return cls(tok, eos, _default_template(template), bos)
 
     @classmethod
     def from_hf(cls, tokenizer: PreTrainedTokenizerBase) -> RunTokenizer:
@@ -117,8 +117,8 @@ class RunTokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TokenizerError(f"{type(tokenizer).__name__} is not a fast tokenizer")
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-        return cls(backend, tokenizer.eos_token, template)
+        template = _default_template(tokenizer.chat_template)
+        return cls(backend, tokenizer.eos_token, template, tokenizer.bos_token)
 
     @property
     def vocab_size(self) -> int:
@@ -142,6 +142,7 @@ class RunTokenizer:
             "tokenizer": spec,
             "probe": [self.encode(text) for text in PROBES],
             "eos": self.eos_token,
+            "bos": self.bos_token,
             "chat_template": self.chat_template,
         }
         blob = json.dumps(canon, ensure_ascii=False, sort_keys=True)
@@ -167,8 +168,7 @@ class RunTokenizer:
             messages=messages,
             add_generation_prompt=True,
             eos_token=self.eos_token,
-            bos_token="",
-            pad_token="",
+            bos_token=self.bos_token or "",
         )
 
     @cached_property
@@ -183,6 +183,18 @@ class RunTokenizer:
 
     def encode_prompts(self, texts: list[str], params: SamplingConfig) -> list[list[int]]:
         return [self.encode_prompt(t, params) for t in texts]
+
+
+def _token(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _default_template(template) -> str | None:
+    """The chat template to use: the only one, or the one named "default" of several."""
+    if isinstance(template, dict):
+        return template.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _read_json(path: Path) -> dict:

@@ -10,6 +10,8 @@ refused (a sampler cannot feed its model an easier game).
 
 from __future__ import annotations
 
+import math
+
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, ProtocolError
 from echorl.tasks import Environment, Problem, Task, is_environment
@@ -35,7 +37,12 @@ def replay_episode(
     if c.turns is None:
         raise ProtocolError(f"completions[{k}]: {env.name} is multi-turn; the turns are missing")
     actions = [codec.decode(c.token_ids[t.start : t.end]) for t in c.turns]
-    rewards, observations, _ = env.replay(seed, actions)
+    try:
+        rewards, observations, _ = env.replay(seed, actions)
+    except Exception as e:  # the environment's own code on untrusted actions
+        raise ProtocolError(
+            f"completions[{k}]: {env.name}'s replay raised {type(e).__name__}: {e}"
+        ) from e
     if len(c.turns) > len(rewards):
         raise ProtocolError(
             f"completions[{k}]: {len(c.turns)} turns, but the episode ended after {len(rewards)}"
@@ -48,4 +55,7 @@ def replay_episode(
             raise ProtocolError(
                 f"completions[{k}]: the tokens after turn {n} are not the environment's observation"
             )
-    return sum(rewards[: len(c.turns)])
+    total = float(sum(rewards[: len(c.turns)]))
+    if not math.isfinite(total):
+        raise ProtocolError(f"completions[{k}]: {env.name}'s replay returned {total}")
+    return total

@@ -164,9 +164,9 @@ class Sampler:
                     self.tokens_per_s,
                 )
                 self.idle_s += time.perf_counter() - t0
-                outage.over()
                 if reply.jobs:
                     self.work(sampler_id, reply)
+                outage.over()  # a whole lease -> generate -> push went through
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 outage.failed(e)
                 stop.wait(2.0)

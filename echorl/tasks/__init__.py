@@ -138,6 +138,8 @@ def _import(where: str, name: str):
         return importlib.import_module(where)
     except ImportError as e:
         raise ValueError(f"{name!r}: cannot import {where} ({e})") from e
+    except Exception as e:  # the user's module failed while importing: that is the reason
+        raise ValueError(f"{name!r}: importing {where} raised {type(e).__name__}: {e}") from e
 
 
 __all__ = [

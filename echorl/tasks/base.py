@@ -13,6 +13,7 @@ train stream, so evaluation never sees a prompt that training or warm-up saw.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import zlib
@@ -132,7 +133,11 @@ def safe_score(task: Task, problem: Problem, text: str) -> float:
     """The task's reward, clamped to [0, 1]. A verifier that raises on model output is a
     bug in the verifier; it is logged and scored 0 rather than killing the run."""
     try:
-        return min(max(float(task.score(problem, text)), 0.0), 1.0)
+        score = float(task.score(problem, text))
     except Exception:  # deliberate fault boundary: verifiers see untrusted text
         log.exception("task %s: verifier raised on %r; scoring 0", task.name, text[:200])
         return 0.0
+    if not math.isfinite(score):
+        log.error("task %s: verifier returned %r on %r; scoring 0", task.name, score, text[:200])
+        return 0.0
+    return min(max(score, 0.0), 1.0)

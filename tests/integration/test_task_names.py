@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import echorl_run, free_port, query, read_jsonl
+from tests.integration.conftest import (
+    echorl_run,
+    free_port,
+    query,
+    read_jsonl,
+    start_broker,
+    stop_broker,
+)
 
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -105,6 +112,14 @@ def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
     raised = broker(f"task.name={bad}:Bad")
     assert raised.returncode == 2 and "no data mounted" in " ".join(raised.stdout.split())
     assert not (tmp_path / "b" / "weights").exists()  # refused before it served anything
+    # A data dir serves one run: restarted with another task, the broker says so.
+    proc, _ = start_broker(tmp_path / "served", free_port())
+    stop_broker(proc)
+    args = [sys.executable, "-m", "echorl.cli", "broker", "--insecure-no-auth"]
+    args += ["--data-dir", str(tmp_path / "served"), "-o", "task.name=reverse"]
+    other = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    said = " ".join(other.stdout.split())
+    assert other.returncode == 2 and "belongs to a run with task 'add', not 'reverse'" in said
 
 
 def test_a_swarm_that_makes_no_progress_is_stopped_with_the_reason(tmp_path):
@@ -116,4 +131,4 @@ def test_a_swarm_that_makes_no_progress_is_stopped_with_the_reason(tmp_path):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     said = " ".join(proc.stdout.split())
     assert proc.returncode == 1, said
-    assert "no trainer step for" in said and "samplers alive 0/0" in said, said
+    assert "no trainer step or new version for" in said and "samplers alive 0/0" in said, said

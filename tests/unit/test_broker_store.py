@@ -326,3 +326,38 @@ def test_rewind_returns_what_the_dead_trainer_consumed_and_forgets_its_versions(
     assert s.counts()["jobs"] == {"done": 4, "queued": 3}  # jobs 4, 5 (v2) and 6 again
     with pytest.raises(ProtocolError, match="behind the checkpoint"):
         s.rewind(5, {0, 1}, keep_version=5)
+
+
+def test_a_job_whose_problem_cannot_be_made_is_parked_and_the_lease_goes_on(tmp_path):
+    """A user task that raises for some seeds (or a prompt the vocabulary cannot hold) parks
+    that job with the reason; it never wedges the cursor (every lease would fail on it)."""
+
+    def problem(seed):
+        if seed % 3 == 0:
+            raise RuntimeError("row missing")
+        return TASK.problem(seed)
+
+    st = BrokerStore(tmp_path / "b.sqlite", "add", problem, CODEC.encode, vocab_size=258)
+    st.set_latest_version(0)
+    me = sampler(st)
+    jobs = st.lease(me, 12, 2, now=0.0, lease_seconds=10)
+    parked = st.db.execute("SELECT job_id, prompt FROM jobs WHERE state = 'parked'").fetchall()
+    assert parked and all("row missing" in prompt for _, prompt in parked)
+    assert len(jobs) + len(parked) == 12  # the cursor moved past both
+    assert all(j.prompt_ids for j in jobs)
+    assert st.lease(me, 4, 2, now=0.0, lease_seconds=10)  # and the next lease works
+    st.close()
+
+
+def test_a_data_dir_serves_one_run(tmp_path):
+    """The run's identity is recorded at first start; another tokenizer, task or prompt format
+    on the same data dir is refused, naming what differs."""
+    identity = {"task": "add", "tokenizer": CODEC.fingerprint, "prompts": "plain"}
+    st = store(tmp_path)
+    st.check_run(identity)
+    st.check_run(identity)  # the same run again (a restart, a resume)
+    with pytest.raises(ValueError, match="belongs to a run with prompts 'plain', not 'chat'"):
+        st.check_run(identity | {"prompts": "chat"})
+    with pytest.raises(ValueError, match="tokenizer"):
+        st.check_run(identity | {"tokenizer": "0" * 64})
+    st.close()

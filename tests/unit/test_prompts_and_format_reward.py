@@ -65,3 +65,36 @@ def test_the_broker_adds_the_format_reward_too():
     c = Completion(token_ids=ids, logprobs=[-0.1] * len(ids), finished=True)
     assert score_group(rg, q, [c], codec) == [1.0]
     assert score_group(rg, q, [c], codec, format_reward=0.1) == [pytest.approx(1.1)]
+
+
+def test_chat_rendering_keeps_bos_and_takes_the_default_of_named_templates(tmp_path):
+    """Templates that begin with {{ bos_token }} (Llama 3, Mistral, Gemma) render as
+    transformers renders them; of several named templates the "default" one is used, the
+    same from the folder and from a loaded tokenizer (equal fingerprints)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from echorl.models.checkpoints import EOS_TOKEN, IM_END, corpus, train_bpe_tokenizer
+    from echorl.models.loading import load_tokenizer
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe_tokenizer(corpus(1000)),
+        eos_token=IM_END,
+        pad_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+    )
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    hf.chat_template = template
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    loaded = load_tokenizer(tmp_path)
+    folder, wrapped = RunTokenizer.from_folder(tmp_path), RunTokenizer.from_hf(loaded)
+    messages = [{"role": "user", "content": "12+34="}]
+    expected = loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert folder.render_chat("12+34=") == expected and expected.startswith(EOS_TOKEN)
+    assert folder.fingerprint == wrapped.fingerprint
+    loaded.chat_template = {"default": template, "tool_use": "{{ messages }}"}
+    assert RunTokenizer.from_hf(loaded).chat_template == template

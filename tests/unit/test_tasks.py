@@ -99,3 +99,23 @@ def test_countdown_evaluator_is_exact():
 def test_unknown_task_names_the_choices():
     with pytest.raises(KeyError, match="built-in tasks are"):
         get_task("chess")
+
+
+def test_user_tasks_that_fail_to_import_or_score_are_named_not_raised(tmp_path, monkeypatch):
+    import math
+
+    from echorl.tasks import get_task
+    from echorl.tasks.base import Problem, safe_score
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_mod.py").write_text("undefined_name\n")
+    with pytest.raises(ValueError, match="importing broken_mod raised NameError"):
+        get_task("broken_mod:T")
+
+    class NaN:
+        name = "nan"
+
+        def score(self, problem, completion):
+            return math.nan
+
+    assert safe_score(NaN(), Problem("nan", 0, "p", "a"), "x") == 0.0
