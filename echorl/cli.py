@@ -48,6 +48,14 @@ def _config(path: Path | None, overrides: list[str] | None, **fields: object) ->
         raise typer.Exit(2) from None
 
 
+def _model_path(cfg: RunConfig) -> str:
+    """`model.path`, which the verb needs; exits 2 naming the flag when it is unset."""
+    if cfg.model.path is None:
+        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
+        raise typer.Exit(2)
+    return cfg.model.path
+
+
 def _threads(cfg: RunConfig) -> None:
     import torch
 
@@ -153,10 +161,7 @@ def train(
     cfg = _config(
         config, override, **{"task.name": task, "train.steps": steps, "train.out_dir": out}
     )
-    model_path = model or cfg.model.path
-    if model_path is None:
-        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
-        raise typer.Exit(2)
+    model_path = model or _model_path(cfg)
     _quiet_transformers()
     from echorl.trainer.colocated import run_colocated
 
@@ -191,9 +196,7 @@ def evaluate_cmd(
             "task.seed": seed,
         },
     )
-    if cfg.model.path is None:
-        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
-        raise typer.Exit(2)
+    _model_path(cfg)
     _quiet_transformers()
     _threads(cfg)
     from echorl.models import load_policy
@@ -314,9 +317,7 @@ def sampler(
             "sampler.jobs_per_lease": jobs_per_lease,
         },
     )
-    if cfg.model.path is None:
-        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
-        raise typer.Exit(2)
+    _model_path(cfg)
     _quiet_transformers()
     import torch
 
@@ -366,9 +367,7 @@ def trainer(
     """Run the trainer against a broker: pull, update, ack, publish the next version.
     SIGTERM checkpoints and exits; --resume continues exactly."""
     cfg = _config(config, override, **{"train.out_dir": out, "model.path": model})
-    if cfg.model.path is None:
-        console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
-        raise typer.Exit(2)
+    _model_path(cfg)
     cpus = _cpu_set(io_cpus)
     _quiet_transformers()
     _threads(cfg)

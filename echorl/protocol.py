@@ -264,6 +264,11 @@ class ScoredGroup(_Wire):
             raise ProtocolError(
                 f"version {newest} is newer than the latest published ({latest_version})"
             )
+        self.check_vocabulary(vocab_size)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id is in the vocabulary (Unprocessable otherwise): checked before
+        anything decodes them."""
         for k, c in enumerate(self.completions):
             bad = max(c.token_ids)
             if bad >= vocab_size:

@@ -24,7 +24,6 @@ from echorl.protocol import (
     ProtocolError,
     RunInfo,
     ScoredGroup,
-    Unprocessable,
     WeightVersion,
 )
 from echorl.rollout.scoring import score_group
@@ -98,12 +97,7 @@ class BrokerState:
     def rescore(self, group: ScoredGroup) -> list[float]:
         """The broker's own rewards for a group: the sampler's claims are never trusted.
         Token ids are checked against the vocabulary first: nothing else decodes them."""
-        for k, c in enumerate(group.completions):
-            if max(c.token_ids) >= self.codec.vocab_size:
-                raise Unprocessable(
-                    f"completions[{k}]: token id {max(c.token_ids)} is outside the vocabulary "
-                    f"(size {self.codec.vocab_size})"
-                )
+        group.check_vocabulary(self.codec.vocab_size)
         problem = self.task.problem(self.store.job_seed(group.job_id))
         return score_group(
             self.task, problem, group.completions, self.codec, self.cfg.task.format_reward

@@ -19,12 +19,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 EOS_TOKEN = "<|endoftext|>"  # also the pad token
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -91,32 +88,6 @@ def train_char_tokenizer(texts: Iterable[str]) -> Tokenizer:
     return tok
 
 
-def model_config(
-    arch: Arch, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int
-) -> PretrainedConfig:
-    """A small config of `arch`: untied embeddings, 512 positions, float32, no bos."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        dtype="float32",
-    )
-    if arch == "qwen2":  # derives head_dim from the hidden size
-        return Qwen2Config(**kwargs)
-    if arch in ("qwen3", "llama"):  # Qwen3's head_dim defaults to 128 whatever the width
-        config_class = Qwen3Config if arch == "qwen3" else LlamaConfig
-        return config_class(head_dim=hidden // heads, **kwargs)
-    raise ValueError(f"unknown architecture {arch!r}; choose qwen3, llama or qwen2")
-
-
 def save_checkpoint(
     path: str | Path,
     arch: Arch,
@@ -137,6 +108,8 @@ def save_checkpoint(
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    from echorl.models.tiny import small_config
+
     eos = IM_END if chat else EOS_TOKEN
     for token in (EOS_TOKEN, eos):
         if tokenizer.token_to_id(token) is None:
@@ -149,7 +122,7 @@ def save_checkpoint(
     )
     if chat:
         hf_tok.chat_template = CHAT_TEMPLATE
-    config = model_config(arch, len(hf_tok), hidden, layers, heads, kv_heads, mlp)
+    config = small_config(arch, len(hf_tok), hidden, layers, heads, kv_heads, mlp)
     config.pad_token_id, config.eos_token_id = hf_tok.pad_token_id, hf_tok.eos_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -13,7 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 from echorl.models.tokenizer import build_byte_tokenizer
 
@@ -26,11 +32,21 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
 MAX_POSITIONS = 512
 
 
-def tiny_config(preset: str, vocab_size: int) -> Qwen2Config:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown tiny-model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    hidden, layers, heads, kv_heads, mlp = PRESETS[preset]
-    return Qwen2Config(
+def small_config(
+    arch: str,
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    mlp: int,
+    **extra,
+) -> PretrainedConfig:
+    """A small causal-LM config of `arch` (qwen2, qwen3, llama): untied embeddings,
+    `MAX_POSITIONS` positions, float32, no bos; `extra` fields on top."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=mlp,
@@ -39,11 +55,22 @@ def tiny_config(preset: str, vocab_size: int) -> Qwen2Config:
         num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=False,
-        rope_theta=10000.0,
-        pad_token_id=0,
-        eos_token_id=1,
         bos_token_id=None,
-        torch_dtype="float32",
+        dtype="float32",
+    )
+    if arch == "qwen2":  # derives head_dim from the hidden size
+        return Qwen2Config(**kwargs, **extra)
+    if arch in ("qwen3", "llama"):  # Qwen3's head_dim defaults to 128 whatever the width
+        config_class = Qwen3Config if arch == "qwen3" else LlamaConfig
+        return config_class(head_dim=hidden // heads, **kwargs, **extra)
+    raise ValueError(f"unknown architecture {arch!r}; choose qwen3, llama or qwen2")
+
+
+def tiny_config(preset: str, vocab_size: int) -> Qwen2Config:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny-model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return small_config(
+        "qwen2", vocab_size, *PRESETS[preset], rope_theta=10000.0, pad_token_id=0, eos_token_id=1
     )
 
 

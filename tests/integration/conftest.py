@@ -167,6 +167,27 @@ def echorl_run(out, *overrides, config=None, timeout=900):
     return proc.stdout
 
 
+# 60 async steps, held-out evaluation at both ends only: what the learning tests of tasks and
+# checkpoints run through `echorl run`.
+ASYNC_RUN = ["broker.mode=async", "train.steps=60", "train.eval_every=0", "train.eval_prompts=100"]
+
+
+def reward_pairs(out):
+    """(broker rewards, sampler's claims) of every group the run's broker stored."""
+    import json
+
+    rows = query(out / "broker", "SELECT body, claimed FROM rollouts")
+    return [(json.loads(body)["rewards"], json.loads(claimed)) for body, claimed in rows]
+
+
+def learning(out):
+    """(first 10 steps' mean train reward, last 10's, held-out accuracy before and after)."""
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r["reward/mean"] for r in records if "reward/mean" in r]
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return sum(train[:10]) / 10, sum(train[-10:]) / 10, evals[0], evals[-1]
+
+
 def read_jsonl(path):
     import json
 

@@ -8,7 +8,6 @@ equal the broker's exactly; before the run's tokenizer reached the broker, every
 run trained on reward 0 (the broker decoded the completions with the byte tokenizer).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -22,19 +21,19 @@ from echorl.models.checkpoints import (
     train_char_tokenizer,
 )
 from tests.integration.conftest import (
+    ASYNC_RUN,
     SAMPLER,
     TRAINER,
     echorl_run,
     free_port,
+    learning,
     query,
-    read_jsonl,
+    reward_pairs,
     start_broker,
     stop_broker,
 )
 
 pytestmark = pytest.mark.integration
-
-RL = ["broker.mode=async", "train.steps=60", "train.eval_every=0", "train.eval_prompts=100"]
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +56,14 @@ def run_and_check(tmp_path, model, *overrides, margin):
     """`echorl run` on `model`: the broker's rewards are the honest sampler's claims, the
     first steps score what the warm-up taught, and the train reward rises by `margin`."""
     out = tmp_path / "run"
-    echorl_run(out, f"model.path={model}", "task.name=add", *RL, *overrides)
-    rows = query(out / "broker", "SELECT body, claimed FROM rollouts")
-    assert len(rows) >= 60 * 16
-    for body, claimed in rows:
-        assert json.loads(body)["rewards"] == json.loads(claimed)
-    records = read_jsonl(out / "metrics.jsonl")
-    train = [r["reward/mean"] for r in records if "reward/mean" in r]
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    first, last = sum(train[:10]) / 10, sum(train[-10:]) / 10
-    assert evals[0] > 0.05 and first > 0.05, (evals, train)  # not the silent zero of old
-    assert last >= first + margin, train
+    echorl_run(out, f"model.path={model}", "task.name=add", *ASYNC_RUN, *overrides)
+    pairs = reward_pairs(out)
+    assert len(pairs) >= 60 * 16
+    for broker, claimed in pairs:
+        assert broker == claimed
+    first, last, before, after = learning(out)
+    assert before > 0.05 and first > 0.05, (before, first)  # not the silent zero of old
+    assert last >= first + margin, (first, last)
     return first, last
 
 

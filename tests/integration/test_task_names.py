@@ -16,31 +16,23 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import (
+    ASYNC_RUN,
     echorl_run,
     free_port,
-    query,
-    read_jsonl,
+    learning,
+    reward_pairs,
     start_broker,
     stop_broker,
 )
 
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
-RL = ["broker.mode=async", "train.steps=60", "train.eval_every=0", "train.eval_prompts=100"]
-
-
-def rewards(out):
-    """(first 10 steps' mean train reward, last 10's, held-out accuracy before and after)."""
-    records = read_jsonl(out / "metrics.jsonl")
-    train = [r["reward/mean"] for r in records if "reward/mean" in r]
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    return sum(train[:10]) / 10, sum(train[-10:]) / 10, evals[0], evals[-1]
 
 
 def honest(out):
     """Every stored group's broker rewards equal the (honest) sampler's claims."""
-    rows = query(out / "broker", "SELECT body, claimed FROM rollouts")
-    return rows and all(json.loads(b)["rewards"] == json.loads(c) for b, c in rows)
+    pairs = reward_pairs(out)
+    return pairs and all(broker == claimed for broker, claimed in pairs)
 
 
 def test_a_jsonl_file_of_problems_learns_through_the_swarm(tmp_path):
@@ -53,8 +45,8 @@ def test_a_jsonl_file_of_problems_learns_through_the_swarm(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "run"
     task = f"task.name=jsonl:{data}"
-    echorl_run(out, task, "sampling.max_new_tokens=12", "sft.steps=300", *RL)
-    first, last, before, after = rewards(out)
+    echorl_run(out, task, "sampling.max_new_tokens=12", "sft.steps=300", *ASYNC_RUN)
+    first, last, before, after = learning(out)
     assert honest(out)
     # Measured: train reward 0.402 -> 0.425, held-out greedy 0.65 -> 0.81.
     assert first > 0.05 and before > 0.05, (first, before)  # math-verify scores \boxed{46}
@@ -68,8 +60,8 @@ def test_a_reasoning_gym_dataset_learns_through_the_swarm(tmp_path):
     pytest.importorskip("reasoning_gym")
     out = tmp_path / "run"
     rg = ["task.name=rg:spell_backward", "sampling.max_new_tokens=32", "sft.steps=300"]
-    echorl_run(out, *rg, "optim.lr=5e-5", *RL)
-    first, last, before, after = rewards(out)
+    echorl_run(out, *rg, "optim.lr=5e-5", *ASYNC_RUN)
+    first, last, before, after = learning(out)
     assert honest(out)
     assert first > 0.05, first  # partial credit for a reversed word: never a silent zero
     assert last >= first + 0.02, (first, last)
@@ -78,8 +70,8 @@ def test_a_reasoning_gym_dataset_learns_through_the_swarm(tmp_path):
 def test_a_user_task_by_file_path_learns_through_the_swarm(tmp_path):
     out = tmp_path / "run"
     task = f"task.name={EXAMPLES / 'custom_task.py'}:SortDigits"
-    echorl_run(out, task, "sft.steps=80", *RL)  # a short warm-up leaves RL something to do
-    first, last, before, after = rewards(out)
+    echorl_run(out, task, "sft.steps=80", *ASYNC_RUN)  # a short warm-up leaves RL something to do
+    first, last, before, after = learning(out)
     assert honest(out)
     # Measured: train reward (partial credit, sampled) 0.587 -> 0.658.
     assert first > 0.05 and last >= first + 0.03, (first, last)
