@@ -130,9 +130,8 @@ def _import(where: str, name: str):
                     f"{name!r}: importing {where} raised {type(e).__name__}: {e}"
                 ) from e
         return sys.modules[key]
-    if (
-        str(Path.cwd()) not in sys.path
-    ):  # modules in the working directory, as `python -m` finds them
+    # Modules in the working directory are found, as `python -m` finds them.
+    if str(Path.cwd()) not in sys.path:
         sys.path.append(str(Path.cwd()))
     try:
         return importlib.import_module(where)
