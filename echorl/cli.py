@@ -201,11 +201,13 @@ def evaluate_cmd(
     _threads(cfg)
     from echorl.models import load_policy
     from echorl.rollout.hf import HFBackend
+    from echorl.rollout.verify import run_pool
     from echorl.tasks import get_task
     from echorl.trainer.colocated import held_out
 
     backend = HFBackend(*load_policy(cfg.model.path, cfg.model.device))
-    result = held_out(backend, get_task(cfg.task.name), cfg)
+    with run_pool(cfg, backend.codec) as scorer:
+        result = held_out(backend, get_task(cfg.task.name), cfg, scorer)
     shown = f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f}"
     if result.pass1 is not None:
         shown += f", sampled pass@1 {result.pass1:.3f} ({result.samples} per problem)"
@@ -325,6 +327,7 @@ def sampler(
     from echorl.metrics import MetricsLog
     from echorl.models import load_policy
     from echorl.rollout.hf import HFBackend
+    from echorl.rollout.verify import run_pool
     from echorl.sampler.loop import Sampler
 
     if cfg.sampler.threads:
@@ -333,9 +336,13 @@ def sampler(
     name = name or f"sampler-{os.getpid()}"
     url = broker_url or cfg.broker.address
     backend = HFBackend(*load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device))
-    with BrokerClient(url, token, retries=10) as client, tempfile.TemporaryDirectory() as cache:
+    with (
+        BrokerClient(url, token, retries=10) as client,
+        tempfile.TemporaryDirectory() as cache,
+        run_pool(cfg, backend.codec) as scorer,
+    ):
         log = MetricsLog(metrics) if metrics else None
-        worker = Sampler(client, backend, cfg, name, Path(cache), log)
+        worker = Sampler(client, backend, cfg, name, Path(cache), log, scorer)
         console.print(f"{name}: sampling for {url}")
         try:
             worker.run(stop)

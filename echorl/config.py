@@ -256,6 +256,26 @@ class BrokerConfig(_Section):
         return self.url or f"http://{self.host}:{self.port}"
 
 
+class VerifyConfig(_Section):
+    """Verifiers (the task's scoring code) run in worker processes, each call bounded: one
+    that overruns or crashes scores that completion 0 and is counted, never stalling the
+    broker, a sampler or an evaluation."""
+
+    workers: int = Field(
+        2,
+        ge=1,
+        le=256,
+        description="the broker's verifier processes (ingest scales with them, up to its "
+        "cores); samplers, trainers and evaluations use one each",
+    )
+    time_limit_s: float = Field(
+        5.0, gt=0.0, le=3600.0, description="wall clock one completion's scoring may take"
+    )
+    memory_mb: int = Field(
+        1024, ge=64, le=1 << 20, description="memory a verifier process may grow by"
+    )
+
+
 class SamplerConfig(_Section):
     """A sampler process (`echorl sampler`, or each one `echorl run` starts)."""
 
@@ -313,6 +333,7 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     broker: BrokerConfig = BrokerConfig()
+    verify: VerifyConfig = VerifyConfig()
     sampler: SamplerConfig = SamplerConfig()
     launch: LaunchConfig = LaunchConfig()
 

@@ -336,6 +336,8 @@ class StatusReply(_Wire):
     jobs: dict[str, int]  # by state
     rollouts: dict[str, int]  # by state
     ready_by_version: dict[int, int]
+    verifier: dict[str, int] = {}  # completions scored 0 by kind (timeout, crash, memory); refused groups
+    verifier_busy: float = 0.0  # fraction of the verifier workers' time spent scoring
 
 
 class HeartbeatRequest(_Wire):
@@ -378,8 +380,10 @@ class PushRequest(_Wire):
 
 
 class PushReply(_Wire):
+    """The group is stored (durably) and will be scored by the broker's verifiers; it reaches
+    the trainer once scored."""
+
     stored: bool  # False: this job's group was already stored (idempotent retry)
-    rewards: list[float]
 
 
 class PushManyRequest(_Wire):
@@ -392,7 +396,6 @@ class PushManyRequest(_Wire):
 class PushResult(_Wire):
     job_id: int
     stored: bool  # False: already stored, or refused
-    rewards: list[float] | None = None  # the broker's scores (None when refused)
     refused: str | None = None  # why this group was refused; it changed nothing
 
 

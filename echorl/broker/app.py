@@ -41,6 +41,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         reaper = asyncio.create_task(expire_forever(st))
         yield
         reaper.cancel()
+        st.verifier.close()
         st.store.close()
 
     app = FastAPI(title="echorl broker", version="1", lifespan=lifespan)

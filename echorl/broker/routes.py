@@ -125,37 +125,25 @@ async def lease(body: LeaseRequest, st: BrokerState = State) -> LeaseReply:
 
 @router.post("/v1/rollouts", dependencies=[SAMPLER])
 def push(body: PushRequest, st: BrokerState = State) -> PushReply:
-    rewards = st.rescore(body.group)
-    stored = st.store.push(body.sampler_id, body.group, rewards, time.time())
-    if stored:
-        st.metrics.pushed.inc()
-        st.groups_bell.ring()
-    return PushReply(stored=stored, rewards=rewards)
+    """Stored durably and answered at once; the verifier pool scores it later."""
+    now = time.time()
+    seed = st.store.push(body.sampler_id, body.group, now)
+    if seed is not None:
+        st.verify_later(seed, now, body.group)
+    return PushReply(stored=seed is not None)
 
 
 @router.post("/v1/rollouts/batch", dependencies=[SAMPLER])
 def push_many(body: PushManyRequest, st: BrokerState = State) -> PushManyReply:
     """Many groups, one transaction; each is accepted or refused on its own."""
-    scored, results = [], {}
-    for group in body.groups:
-        try:
-            scored.append((group, st.rescore(group)))
-        except ProtocolError as e:  # an unknown job, a transcript that is not the game's
-            results[group.job_id] = PushResult(job_id=group.job_id, stored=False, refused=str(e))
-    outcome = st.store.push_many(body.sampler_id, scored, time.time())
-    for (group, rewards), ok in zip(scored, outcome):
+    now = time.time()
+    results = []
+    for group, ok in zip(body.groups, st.store.push_many(body.sampler_id, body.groups, now)):
+        if isinstance(ok, int):
+            st.verify_later(ok, now, group)
         refused = ok if isinstance(ok, str) else None
-        results[group.job_id] = PushResult(
-            job_id=group.job_id,
-            stored=ok is True,
-            rewards=None if refused else rewards,
-            refused=refused,
-        )
-    n_stored = sum(r.stored for r in results.values())
-    st.metrics.pushed.inc(n_stored)
-    if n_stored:
-        st.groups_bell.ring()
-    return PushManyReply(results=[results[g.job_id] for g in body.groups])
+        results.append(PushResult(job_id=group.job_id, stored=isinstance(ok, int), refused=refused))
+    return PushManyReply(results=results)
 
 
 # -- trainer ----------------------------------------------------------------------------------
@@ -278,5 +266,7 @@ def status(st: BrokerState = State) -> StatusReply:
         mode=st.cfg.broker.mode,
         latest_version=st.store.latest_version(),
         samplers=[SamplerStatus(**row) for row in st.store.samplers()],
+        verifier=dict(st.verifier.failures) | {"refused": st.verifier.refused},
+        verifier_busy=st.verifier.utilisation(),
         **st.store.counts(),
     )

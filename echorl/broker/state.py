@@ -6,6 +6,7 @@ checked, so a broker that cannot serve its run refuses to start with the reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +27,11 @@ from echorl.protocol import (
     ScoredGroup,
     WeightVersion,
 )
-from echorl.rollout.scoring import score_group
+from echorl.rollout.verify import Verdict, VerifierPool, VerifierSpec
 from echorl.tasks import Environment, Task, get_task
 
 T = TypeVar("T")
+log = logging.getLogger("echorl.broker")
 
 
 class SetupError(ValueError):
@@ -79,6 +81,22 @@ class Metrics:
         self.latest = Gauge(
             "broker_latest_version", "newest published policy version", registry=self.registry
         )
+        self.verifier_failures = Counter(
+            "broker_verifier_failures",
+            "completions scored 0 because the verifier overran its time or memory, or crashed",
+            ["task", "kind"],
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "broker_groups_refused",
+            "stored groups the verifier refused (not what the task produces); jobs re-queued",
+            registry=self.registry,
+        )
+        self.verifier_busy = Gauge(
+            "broker_verifier_utilisation",
+            "fraction of the verifier workers' time spent scoring",
+            registry=self.registry,
+        )
 
 
 @dataclass
@@ -93,15 +111,30 @@ class BrokerState:
     metrics: Metrics
     jobs_bell: Bell  # samplers wait for admitted jobs (a new version, a returned lease)
     groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
+    verifier: VerifierPool  # the broker's own rewards, off the request path
 
-    def rescore(self, group: ScoredGroup) -> list[float]:
-        """The broker's own rewards for a group: the sampler's claims are never trusted.
-        Token ids are checked against the vocabulary first: nothing else decodes them."""
-        group.check_vocabulary(self.codec.vocab_size)
-        problem = self.task.problem(self.store.job_seed(group.job_id))
-        return score_group(
-            self.task, problem, group.completions, self.codec, self.cfg.task.format_reward
+    def verify_later(self, seed: int, created: float, group: ScoredGroup) -> None:
+        """Score a stored group in the verifier pool: the sampler's claims are never trusted.
+        (Its token ids were checked against the vocabulary when it was stored.)"""
+        self.verifier.submit((group.job_id, created), seed, group.completions, self.on_scored)
+
+    def on_scored(self, pairs: list[tuple[tuple[int, float], Verdict]]) -> None:
+        """Verdicts of one worker batch, stored in one transaction (on the pool's thread)."""
+        for (job_id, _), v in pairs:
+            for kind, n in v.failed.items():
+                self.metrics.verifier_failures.labels(self.task.name, kind).inc(n)
+            if v.refused:
+                log.warning("the group for job %d is refused: %s", job_id, v.refused)
+        ready, refused = self.store.scored(
+            [(job_id, created, None if v.refused else v.rewards) for (job_id, created), v in pairs]
         )
+        self.metrics.pushed.inc(ready)
+        self.metrics.refused.inc(refused)
+        self.metrics.verifier_busy.set(self.verifier.utilisation())
+        if ready:
+            self.groups_bell.ring()
+        if refused:
+            self.jobs_bell.ring()
 
     def stored_version(self, version: int) -> WeightVersion | None:
         """`version`'s WeightVersion, or None (none yet, or forgotten by a rewind just now)."""
@@ -196,9 +229,14 @@ def build_state(cfg: RunConfig) -> BrokerState:
         raise SetupError(str(e)) from None
     data = Path(b.data_dir)
     store = open_store(cfg, task, codec)
+    try:
+        verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers)
+    except RuntimeError as e:
+        store.close()
+        raise SetupError(str(e)) from None
     metrics = Metrics()
     metrics.latest.set(store.latest_version())
-    return BrokerState(
+    st = BrokerState(
         cfg=cfg,
         task=task,
         codec=codec,
@@ -216,4 +254,8 @@ def build_state(cfg: RunConfig) -> BrokerState:
         metrics=metrics,
         jobs_bell=Bell(),
         groups_bell=Bell(),
+        verifier=verifier,
     )
+    for job_id, created, seed, group in store.scoring():  # stored before a restart
+        st.verify_later(seed, created, group)
+    return st

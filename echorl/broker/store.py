@@ -9,10 +9,14 @@ The store knows nothing of HTTP, auth or weights' bytes: the app maps its
 Job lifecycle:   queued --lease--> leased --push--> done
                    ^                  | deadline passed / sampler lost
                    +------------------+  (attempts + 1; parked after max_attempts)
-Rollout lifecycle: ready --pull--> pulled --ack(step)--> consumed
-                     ^                |  trainer lease passed, or the trainer resumed
-                     +----------------+  from an earlier checkpoint (`rewind`)
+Rollout lifecycle: scoring --verdict--> ready --pull--> pulled --ack(step)--> consumed
+                                          ^                |  trainer lease passed, or the
+                                          +----------------+  trainer resumed (`rewind`)
                    ready --too stale at pull--> stale (dropped, counted)
+                   scoring --refused by the verifier--> deleted, its job queued again
+
+A pushed group is stored as the sampler sent it (`body`, its rewards the sampler's
+claims) in state `scoring`; the broker's verifier pool fills in `rewards`.
 
 Admission: at most `(latest + max_staleness + 1) * B` groups are ever out
 (leased, ready, pulled or consumed), so no job is handed out that the trainer
@@ -61,11 +65,16 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, job_id);
 CREATE TABLE IF NOT EXISTS rollouts (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), version INTEGER NOT NULL,
-    sampler_id TEXT NOT NULL, body TEXT NOT NULL, claimed TEXT NOT NULL, created_at REAL NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('ready', 'pulled', 'consumed', 'stale')),
+    sampler_id TEXT NOT NULL, body TEXT NOT NULL, rewards TEXT, created_at REAL NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('scoring', 'ready', 'pulled', 'consumed', 'stale')),
     pull_deadline REAL, pull_request TEXT, consumed_step INTEGER);
 CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
 """
+
+
+def _with_rewards(body: str, rewards: str) -> ScoredGroup:
+    """A stored group with the broker's rewards (the body holds the sampler's claims)."""
+    return ScoredGroup.model_validate_json(body).model_copy(update={"rewards": json.loads(rewards)})
 
 
 @dataclass(frozen=True)
@@ -229,9 +238,10 @@ class BrokerStore:
         start, compared on every later one. ValueError names what differs, so a broker is
         never restarted on jobs whose prompt ids another tokenizer or format made."""
         columns = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
-        if "prompt_ids" not in columns:
+        columns |= {r[1] for r in self.db.execute("PRAGMA table_info(rollouts)")}
+        if not {"prompt_ids", "rewards"} <= columns:
             raise ValueError(
-                "this data dir was written by an older echorl (its jobs carry no prompt ids): "
+                "this data dir was written by an older echorl (no prompt ids, or no scoring): "
                 "start the broker on a fresh data dir"
             )
 
@@ -367,57 +377,49 @@ class BrokerStore:
             return 0
         out = c.execute(
             "SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'leased') + "
-            "(SELECT COUNT(*) FROM rollouts WHERE state IN ('ready', 'pulled', 'consumed'))"
+            "(SELECT COUNT(*) FROM rollouts WHERE state != 'stale')"
         ).fetchone()[0]
         return (latest + admit.max_staleness + 1) * admit.batch - out
 
-    def job_seed(self, job_id: int) -> int:
-        with self.lock:
-            row = self.db.execute("SELECT seed FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"unknown job {job_id}")
-        return row[0]
-
     # -- rollouts (the replay buffer) ----------------------------------------------------------
 
-    def push(self, sampler_id: str, group: ScoredGroup, rewards: list[float], now: float) -> bool:
-        """Store `group` for a job the caller holds, durably. Returns False (and stores nothing)
-        when the job's group was already stored: pushing twice is harmless."""
-        return self._tx(lambda c: self._push_one(c, sampler_id, group, rewards, now))
+    def push(self, sampler_id: str, group: ScoredGroup, now: float) -> int | None:
+        """Store `group` for a job the caller holds, durably, to be scored. Returns the job's
+        problem seed (what the verifier needs), or None (and stores nothing) when the job's
+        group was already stored: pushing twice is harmless."""
+        return self._tx(lambda c: self._push_one(c, sampler_id, group, now))
 
     def push_many(
-        self, sampler_id: str, items: list[tuple[ScoredGroup, list[float]]], now: float
-    ) -> list[bool | str]:
-        """Store many groups in one transaction (one commit, one fsync). Each result is what
-        `push` would say: True (stored), False (already stored) or the refusal's reason, in
-        which case that group changed nothing."""
+        self, sampler_id: str, groups: list[ScoredGroup], now: float
+    ) -> list[int | None | str]:
+        """Store many groups in one transaction (one commit). Each result is what `push` would
+        say (the seed, or None) or the refusal's reason, in which case that group changed
+        nothing."""
 
         def fn(c):
-            results: list[bool | str] = []
-            for group, rewards in items:
+            results: list[int | None | str] = []
+            for group in groups:
                 try:
-                    results.append(self._push_one(c, sampler_id, group, rewards, now))
+                    results.append(self._push_one(c, sampler_id, group, now))
                 except ProtocolError as e:
                     results.append(str(e))
             return results
 
         return self._tx(fn)
 
-    def _push_one(
-        self, c, sampler_id: str, group: ScoredGroup, rewards: list[float], now: float
-    ) -> bool:
-        """Store `group` (its rewards are the sampler's claims) with the broker's `rewards`."""
+    def _push_one(self, c, sampler_id: str, group: ScoredGroup, now: float) -> int | None:
+        """Store `group` (its rewards are the sampler's claims) in state `scoring`."""
         # Every check comes before the first write, so a refused group leaves no trace.
         row = c.execute(
-            "SELECT state, lease_owner, group_size, required_version, prompt_ids FROM jobs "
+            "SELECT state, lease_owner, group_size, required_version, prompt_ids, seed FROM jobs "
             "WHERE job_id = ?",
             (group.job_id,),
         ).fetchone()
         if row is None:
             raise NotFound(f"unknown job {group.job_id}")
-        state, owner, group_size, required, prompt_ids = row
+        state, owner, group_size, required, prompt_ids, seed = row
         if c.execute("SELECT 1 FROM rollouts WHERE job_id = ?", (group.job_id,)).fetchone():
-            return False
+            return None
         if state != "leased" or owner != sampler_id:
             raise ProtocolError(f"job {group.job_id} is not leased to sampler {sampler_id!r}")
         latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
@@ -430,21 +432,59 @@ class BrokerStore:
                 f"the group was generated by {sorted(versions)}"
             )
         c.execute(
-            "INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?, 'ready', NULL, NULL, NULL)",
-            (
-                group.job_id,
-                group.version,
-                sampler_id,
-                group.model_copy(update={"rewards": rewards}).model_dump_json(),
-                json.dumps(group.rewards),
-                now,
-            ),
+            "INSERT INTO rollouts VALUES (?, ?, ?, ?, NULL, ?, 'scoring', NULL, NULL, NULL)",
+            (group.job_id, group.version, sampler_id, group.model_dump_json(), now),
         )
         c.execute(
             "UPDATE jobs SET state = 'done', lease_deadline = NULL WHERE job_id = ?",
             (group.job_id,),
         )
-        return True
+        return seed
+
+    def scored(self, verdicts: list[tuple[int, float, list[float] | None]]) -> tuple[int, int]:
+        """The verifier's verdicts, in one transaction: (job id, the group's created_at, the
+        broker's rewards, or None when it refused the group). A scored group becomes ready; a
+        refused one is deleted and its job queued again (an attempt counted). A verdict for a
+        group no longer scoring (a resumed trainer deleted it) changes nothing. Returns
+        (ready, refused)."""
+
+        def fn(c):
+            ready = refused = 0
+            for job_id, created, rewards in verdicts:
+                if rewards is None:
+                    gone = c.execute(
+                        "DELETE FROM rollouts WHERE job_id = ? AND state = 'scoring' "
+                        "AND created_at = ?",
+                        (job_id, created),
+                    ).rowcount
+                    if gone:
+                        c.execute(
+                            "UPDATE jobs SET state = CASE WHEN attempts + 1 >= ? THEN 'parked' "
+                            "ELSE 'queued' END, attempts = attempts + 1, lease_owner = NULL "
+                            "WHERE job_id = ?",
+                            (self.max_attempts, job_id),
+                        )
+                    refused += gone
+                else:
+                    ready += c.execute(
+                        "UPDATE rollouts SET state = 'ready', rewards = ? WHERE job_id = ? "
+                        "AND state = 'scoring' AND created_at = ?",
+                        (json.dumps(rewards), job_id, created),
+                    ).rowcount
+            return ready, refused
+
+        return self._tx(fn)
+
+    def scoring(self) -> list[tuple[int, float, int, ScoredGroup]]:
+        """Groups stored but not yet scored (a restarted broker scores them again): job id,
+        created_at, problem seed and the group."""
+        rows = self._tx(
+            lambda c: c.execute(
+                "SELECT r.job_id, r.created_at, j.seed, r.body FROM rollouts r "
+                "JOIN jobs j USING (job_id) WHERE r.state = 'scoring' ORDER BY r.job_id"
+            ).fetchall()
+        )
+        return [(j, t, seed, ScoredGroup.model_validate_json(b)) for j, t, seed, b in rows]
 
     def pull(
         self,
@@ -465,14 +505,14 @@ class BrokerStore:
         lost) gets the same groups again. Returns the groups and how many this call dropped."""
 
         def fn(c):
-            select = "SELECT job_id, body FROM rollouts r "
+            select = "SELECT job_id, body, rewards FROM rollouts r "
             if request_id is not None:
                 rows = c.execute(
                     select + "WHERE state = 'pulled' AND pull_request = ? ORDER BY job_id",
                     (request_id,),
                 ).fetchall()
                 if rows:
-                    return [ScoredGroup.model_validate_json(r[1]) for r in rows], 0
+                    return [_with_rewards(*r[1:]) for r in rows], 0
             floor = min_version if version is None else version
             dropped = c.execute(
                 "UPDATE rollouts SET state = 'stale' WHERE state = 'ready' AND version < ?",
@@ -497,7 +537,7 @@ class BrokerStore:
                 "WHERE job_id = ?",
                 [(now + lease_seconds, request_id, r[0]) for r in rows],
             )
-            return [ScoredGroup.model_validate_json(r[1]) for r in rows], dropped
+            return [_with_rewards(*r[1:]) for r in rows], dropped
 
         return self._tx(fn)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from echorl.config import SamplingConfig
 from echorl.rollout.generate import rollout
 from echorl.rollout.hf import HFBackend
+from echorl.rollout.verify import VerifierPool
 from echorl.tasks import Task, take
 from echorl.tasks.base import success
 
@@ -35,10 +36,12 @@ def evaluate(
     params: SamplingConfig | None = None,
     samples: int = 0,
     chunk: int = 256,
+    scorer: VerifierPool | None = None,
 ) -> EvalResult:
     """Greedy decoding (in `params`' prompt format), and `samples` draws per problem at
     `params`' temperature when `samples` > 0; the verifier's reward alone (success is a
-    reward of at least 1: a solved episode, a right answer)."""
+    reward of at least 1: a solved episode, a right answer), in `scorer`'s bounded workers
+    when given."""
     params = params or SamplingConfig()
     greedy = params.model_copy(update={"temperature": 0.0})
     problems = take(task, n, seed, split="eval")
@@ -47,9 +50,11 @@ def evaluate(
     for i in range(0, n, chunk):
         part = problems[i : i + chunk]
         ids = backend.codec.encode_prompts([p.prompt for p in part], params)
-        rewards += [g.rewards[0] for g in rollout(backend, task, part, ids, 1, greedy, seed=0)]
+        rewards += [g.rewards[0] for g in rollout(backend, task, part, ids, 1, greedy, seed=0, scorer=scorer)]
         if samples:
-            groups = rollout(backend, task, part, ids, samples, params, seed=seed + 1)
+            groups = rollout(
+                backend, task, part, ids, samples, params, seed=seed + 1, scorer=scorer
+            )
             sampled += [sum(map(success, g.rewards)) / samples for g in groups]
     return EvalResult(
         sum(map(success, rewards)) / n,

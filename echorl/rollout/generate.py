@@ -13,6 +13,7 @@ from echorl.config import SamplingConfig
 from echorl.protocol import Completion, ScoredGroup, Turn
 from echorl.rollout.hf import HFBackend
 from echorl.rollout.scoring import score_group
+from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
 from echorl.tasks import Environment, Problem, Task, is_environment
 
@@ -28,21 +29,29 @@ def rollout(
     version: int = 0,
     format_reward: float = 0.0,
     job_ids: list[int] | None = None,
+    scorer: VerifierPool | None = None,
 ) -> list[ScoredGroup]:
     """`group_size` scored completions (or episodes) for each problem, whose prompt is
-    `prompt_ids[i]`; groups are numbered by `job_ids` (default: their position)."""
+    `prompt_ids[i]`; groups are numbered by `job_ids` (default: their position). With
+    `scorer`, single-turn answers are scored in its worker processes (time and memory
+    bounded); without, here."""
     job_ids = job_ids or list(range(len(problems)))
     if is_environment(task):
         return play(backend, task, problems, prompt_ids, group_size, params, seed, version, job_ids)
     max_new = params.max_new_tokens or task.max_new_tokens
     contexts = [ids for ids in prompt_ids for _ in range(group_size)]
     flat = backend.generate_ids(contexts, params, max_new, seed)
-    groups = []
-    for i, (problem, ids) in enumerate(zip(problems, prompt_ids)):
-        comps = flat[i * group_size : (i + 1) * group_size]
-        rewards = score_group(task, problem, comps, backend.codec, format_reward)
-        groups.append(_group(job_ids[i], version, ids, comps, rewards))
-    return groups
+    per_problem = [flat[i * group_size : (i + 1) * group_size] for i in range(len(problems))]
+    if scorer is not None:
+        items = [(p.seed, c) for p, c in zip(problems, per_problem)]
+        scored = [v.rewards for v in scorer.score(items, format_reward)]
+    else:
+        scored = [
+            score_group(task, p, c, backend.codec, format_reward) for p, c in zip(problems, per_problem)
+        ]
+    return [
+        _group(job_ids[i], version, ids, per_problem[i], scored[i]) for i, ids in enumerate(prompt_ids)
+    ]
 
 
 def play(

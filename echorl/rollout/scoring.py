@@ -25,9 +25,26 @@ def score_group(
     codec: RunTokenizer,
     format_reward: float = 0.0,
 ) -> list[float]:
+    """Every completion's reward, in this process (unbounded: `verify.VerifierPool` runs this
+    in workers with time and memory limits)."""
+    return [
+        score_completion(task, problem, c, codec, format_reward, k)
+        for k, c in enumerate(completions)
+    ]
+
+
+def score_completion(
+    task: Task | Environment,
+    problem: Problem,
+    c: Completion,
+    codec: RunTokenizer,
+    format_reward: float = 0.0,
+    k: int = 0,
+) -> float:
+    """Completion `k`'s reward: the verifier on its text, or its episode's replayed return."""
     if is_environment(task):
-        return [replay_episode(task, problem.seed, c, codec, k) for k, c in enumerate(completions)]
-    return [reward(task, problem, codec.decode(c.token_ids), format_reward) for c in completions]
+        return replay_episode(task, problem.seed, c, codec, k)
+    return reward(task, problem, codec.decode(c.token_ids), format_reward)
 
 
 def replay_episode(

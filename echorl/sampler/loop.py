@@ -30,6 +30,7 @@ from echorl.metrics import MetricsLog
 from echorl.protocol import LeaseReply, SamplerInfo, WeightVersion
 from echorl.rollout.generate import rollout
 from echorl.rollout.hf import HFBackend
+from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
 from echorl.tasks import get_task
 
@@ -48,8 +49,10 @@ class Sampler:
         name: str,
         cache: Path,
         metrics: MetricsLog | None = None,
+        scorer: VerifierPool | None = None,
     ):
         self.client, self.backend, self.cfg, self.name = client, backend, cfg, name
+        self.scorer = scorer  # its own claims, scored in a bounded worker process
         self.cache, self.metrics = cache, metrics
         self.held: tuple[int, str] | None = None  # (version, sha256) of the weights in the backend
         self.pushed = self.rejected = 0
@@ -108,6 +111,7 @@ class Sampler:
             version=self.version,
             format_reward=self.cfg.task.format_reward,
             job_ids=[job.job_id for job in jobs],
+            scorer=self.scorer,
         )
         gen_s = time.perf_counter() - t0
         groups = [g.model_copy(update={"gen_seconds": gen_s / len(jobs)}) for g in groups]

@@ -134,6 +134,8 @@ def safe_score(task: Task, problem: Problem, text: str) -> float:
     bug in the verifier; it is logged and scored 0 rather than killing the run."""
     try:
         score = float(task.score(problem, text))
+    except MemoryError:  # the verifier pool's memory limit: counted there, not swallowed
+        raise
     except Exception:  # deliberate fault boundary: verifiers see untrusted text
         log.exception("task %s: verifier raised on %r; scoring 0", task.name, text[:200])
         return 0.0

@@ -25,6 +25,7 @@ from echorl.protocol import ScoredGroup
 from echorl.rollout.evaluate import EvalResult, evaluate
 from echorl.rollout.generate import rollout
 from echorl.rollout.hf import HFBackend
+from echorl.rollout.verify import VerifierPool, run_pool
 from echorl.seeding import derive_seed
 from echorl.tasks import Task, get_task, take
 from echorl.tasks.base import success
@@ -66,13 +67,24 @@ def reference(model_dir: str | Path, cfg: RunConfig) -> PreTrainedModel | None:
     return load_policy(model_dir, cfg.model.device)[0].eval().requires_grad_(False)
 
 
-def held_out(backend: HFBackend, task: Task, cfg: RunConfig) -> EvalResult:
+def held_out(
+    backend: HFBackend, task: Task, cfg: RunConfig, scorer: VerifierPool | None = None
+) -> EvalResult:
     t = cfg.train
-    return evaluate(backend, task, t.eval_prompts, cfg.task.seed, cfg.sampling, t.eval_samples)
+    return evaluate(
+        backend, task, t.eval_prompts, cfg.task.seed, cfg.sampling, t.eval_samples, scorer=scorer
+    )
 
 
 def rl_step(
-    backend: HFBackend, task: Task, cfg: RunConfig, step: int, opt, sched, ref_model
+    backend: HFBackend,
+    task: Task,
+    cfg: RunConfig,
+    step: int,
+    opt,
+    sched,
+    ref_model,
+    scorer: VerifierPool | None = None,
 ) -> dict:
     t0 = time.perf_counter()
     problems = step_problems(task, cfg, step)
@@ -86,6 +98,7 @@ def rl_step(
         seed=derive_seed(cfg.train.seed, "sample", step),
         version=step,
         format_reward=cfg.task.format_reward,
+        scorer=scorer,
     )
     t1 = time.perf_counter()
     metrics = update_policy(
@@ -126,22 +139,28 @@ def run_colocated(
     model, tokenizer = load_policy(ckpt / "policy" if ckpt else model_dir, cfg.model.device)
     ref_model = reference(model_dir, cfg)
     backend = HFBackend(model, tokenizer)
+    with run_pool(cfg, backend.codec) as scorer:  # verifiers in a bounded worker process
+        return _run(cfg, out, backend, task, ref_model, ckpt, scorer, console)
+
+
+def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult:
+    model, tokenizer = backend.model, backend.tokenizer
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim)
     start = load_trainer_state(ckpt, opt, sched).step if ckpt else 0
     log = MetricsLog(out / "metrics.jsonl", keep_through_step=start)
     before = None
     if start == 0:
-        before = held_out(backend, task, cfg)
+        before = held_out(backend, task, cfg, scorer)
         log.write({"step": 0, **before.record()})
         console.print(f"held-out greedy accuracy before RL: {before.accuracy:.3f} (n={before.n})")
     with _progress(console) as progress:
         bar = progress.add_task("RL", total=cfg.train.steps, completed=start)
         for step in range(start, cfg.train.steps):
-            record = rl_step(backend, task, cfg, step, opt, sched, ref_model)
+            record = rl_step(backend, task, cfg, step, opt, sched, ref_model, scorer)
             done = step + 1
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                record |= held_out(backend, task, cfg).record()
+                record |= held_out(backend, task, cfg, scorer).record()
             log.write(record | {"step": done})
             progress.update(
                 bar,
@@ -153,7 +172,7 @@ def run_colocated(
             )
             if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
-    after = held_out(backend, task, cfg)
+    after = held_out(backend, task, cfg, scorer)
     log.write({"step": cfg.train.steps, **after.record()})
     save_checkpoint(out / "checkpoints", cfg.train.steps, model, tokenizer, opt, sched)
     policy = out / "policy"

@@ -35,6 +35,7 @@ from echorl.models import load_policy
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import ScoredGroup, TrainerHello
 from echorl.rollout.hf import HFBackend
+from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
@@ -178,6 +179,8 @@ class DecoupledTrainer:
         self.log = MetricsLog(
             self.out / "metrics.jsonl", keep_through_step=self.step, tensorboard=True
         )
+        # Evaluation scores in a bounded worker: a verifier that hangs cannot hang the trainer.
+        self.scorer = run_pool(self.cfg, RunTokenizer.from_hf(self.tokenizer))
         if resume:
             reply = self.client.rewind(self.step, self.consumed)
             self.console.print(
@@ -199,7 +202,8 @@ class DecoupledTrainer:
             self.log.write({"step": 0, **self.evaluate()})
 
     def evaluate(self) -> dict[str, float]:
-        return held_out(HFBackend(self.model, self.tokenizer), self.task, self.cfg).record()
+        backend = HFBackend(self.model, self.tokenizer)
+        return held_out(backend, self.task, self.cfg, self.scorer).record()
 
     def train_step(self, stop: threading.Event) -> dict | None:
         """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups."""
@@ -295,6 +299,7 @@ class DecoupledTrainer:
         self.publisher.close()
         self.prefetcher.shutdown()  # a prefetch in flight sees `stop` (or its pull answers)
         self.prefetch_client.close()
+        self.scorer.close()
         self.log.close()
         if self.step == cfg.steps:
             self.model.save_pretrained(self.out / "policy")

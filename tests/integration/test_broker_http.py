@@ -48,15 +48,16 @@ def test_a_sync_round_trip_over_http(broker):
     body = {"sampler_id": sid, "group": group(jobs[0], rewards=(1.0, 1.0))}
     first = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
     a, b = jobs[0]["prompt"][:-1].split("+")
-    assert first["stored"] and first["rewards"] == [float(int(a) + int(b) == 90)] * 2
+    assert first == {"stored": True}  # stored at once; scored by the broker's verifiers later
     again = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
     assert again["stored"] is False
 
-    pulled = httpx.post(
-        f"{url}/v1/batches/pull", json={"n": 8, "step": 0}, headers=as_(TRAINER)
+    pulled = httpx.post(  # a long poll: answered once the group is scored
+        f"{url}/v1/batches/pull", json={"n": 8, "step": 0, "wait_s": 5}, headers=as_(TRAINER)
     ).json()
     assert [g["job_id"] for g in pulled["groups"]] == [jobs[0]["job_id"]]
-    assert pulled["groups"][0]["rewards"] == first["rewards"]  # the broker's, not the claims
+    # the broker's rewards, not the claims
+    assert pulled["groups"][0]["rewards"] == [float(int(a) + int(b) == 90)] * 2
     ack = httpx.post(
         f"{url}/v1/batches/ack",
         json={"job_ids": [jobs[0]["job_id"]], "step": 0},
@@ -249,10 +250,9 @@ def test_async_admission_control_and_retention(tmp_path):
                 f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
             ).json()["jobs"]
 
-        def pull(step, n=3):
-            return httpx.post(
-                f"{url}/v1/batches/pull", json={"n": n, "step": step}, headers=as_(TRAINER)
-            )
+        def pull(step, n=3, wait_s=0):
+            body = {"n": n, "step": step, "wait_s": wait_s}
+            return httpx.post(f"{url}/v1/batches/pull", json=body, headers=as_(TRAINER))
 
         first = lease(5)  # (latest + max_staleness + 1) * B = 6 may ever be out at v0
         assert len(first) == 5 and all(j["required_version"] is None for j in first)
@@ -260,7 +260,7 @@ def test_async_admission_control_and_retention(tmp_path):
         body = {"sampler_id": sid, "group": group(first[0], version=0)}
         assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()["stored"]
         assert lease(5) == []  # the pushed group still waits in the buffer
-        assert len(pull(0).json()["groups"]) == 1
+        assert len(pull(0, wait_s=5).json()["groups"]) == 1  # once scored
         assert lease(5) == []  # taken by the trainer, but still counted against v0's budget
         assert pull(0, n=4).status_code == 409  # more than B: the trainer's config differs
         assert publish(url, 1, b"weights 1").status_code == 200
@@ -407,15 +407,12 @@ def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
             f"{url}/v1/rollouts", json={"sampler_id": b, "group": group(job)}, headers=as_(SAMPLER)
         ).json()["stored"]
 
-        def pull():
-            return [
-                g["job_id"]
-                for g in httpx.post(
-                    f"{url}/v1/batches/pull", json={"n": 4, "step": 0}, headers=as_(TRAINER)
-                ).json()["groups"]
-            ]
+        def pull(wait_s=0):
+            body = {"n": 4, "step": 0, "wait_s": wait_s}
+            reply = httpx.post(f"{url}/v1/batches/pull", json=body, headers=as_(TRAINER))
+            return [g["job_id"] for g in reply.json()["groups"]]
 
-        assert pull() == [job["job_id"]]  # the trainer "dies" before acking
+        assert pull(wait_s=5) == [job["job_id"]]  # scored; the trainer "dies" before acking
         assert pull() == []
         time.sleep(2.5)
         assert pull() == [job["job_id"]]  # offered again, and consumed once

@@ -28,7 +28,7 @@ WRITER = textwrap.dedent("""
                 "job_id": job.job_id, "version": 0, "prompt_ids": job.prompt_ids,
                 "rewards": [0.0, 0.0], "completions": [
                 {"token_ids": [20, 1], "logprobs": [-0.1, -0.2], "finished": True}] * 2})
-            s.push(me, g, [1.0, 0.0], now=0.0)
+            s.push(me, g, now=0.0)
             print(job.job_id, flush=True)  # acknowledged: push returned
 """)
 

@@ -9,7 +9,17 @@ from echorl.tasks import get_task
 
 TASK = get_task("add")
 CODEC = RunTokenizer.builtin()
-CLAIMS = 9.0  # what the sampler claims; the broker's rewards are what `push` is given
+CLAIMS = 9.0  # what the sampler claims; the broker's rewards are what its verifier says
+
+
+def push(s, sampler_id, g, rewards, now):
+    """Push `g`, then give the broker's verdict `rewards` (the verifier pool's part): True if
+    stored, False if already stored."""
+    seed = s.push(sampler_id, g, now)
+    if seed is None:
+        return False
+    assert s.scored([(g.job_id, now, list(rewards))]) == (1, 0)
+    return True
 
 
 def store(path, **kw):
@@ -107,8 +117,8 @@ def test_push_is_idempotent(s):
     a = sampler(s)
     s.set_latest_version(0)
     s.lease(a, 1, 2, now=0, lease_seconds=10)
-    assert s.push(a, group(s, 0), [1.0, 0.0], now=1) is True
-    assert s.push(a, group(s, 0), [1.0, 0.0], now=2) is False
+    assert push(s, a, group(s, 0), [1.0, 0.0], now=1) is True
+    assert push(s, a, group(s, 0), [1.0, 0.0], now=2) is False
     assert s.counts()["rollouts"] == {"ready": 1}
     assert s.counts()["jobs"] == {"done": 1}
 
@@ -116,30 +126,30 @@ def test_push_is_idempotent(s):
 @pytest.mark.parametrize(
     "make,error,reason",
     [
-        (lambda s, a, b: s.push(b, group(s, 0), [0, 0], 1), ProtocolError, "not leased to sampler"),
-        (lambda s, a, b: s.push(a, group(s, 7), [0, 0], 1), NotFound, "unknown job 7"),
+        (lambda s, a, b: push(s, b, group(s, 0), [0, 0], 1), ProtocolError, "not leased to sampler"),
+        (lambda s, a, b: push(s, a, group(s, 7), [0, 0], 1), NotFound, "unknown job 7"),
         (
-            lambda s, a, b: s.push(a, group(s, 0, version=1), [0, 0], 1),
+            lambda s, a, b: push(s, a, group(s, 0, version=1), [0, 0], 1),
             ProtocolError,
             "newer than the latest",
         ),
         (
-            lambda s, a, b: s.push(a, group(s, 0, g=3), [0, 0, 0], 1),
+            lambda s, a, b: push(s, a, group(s, 0, g=3), [0, 0, 0], 1),
             ProtocolError,
             "leased with G = 2",
         ),
         (
-            lambda s, a, b: s.push(a, group(s, 0, ids=(20, 258)), [0, 0], 1),
+            lambda s, a, b: push(s, a, group(s, 0, ids=(20, 258)), [0, 0], 1),
             Unprocessable,
             "outside the vocabulary",
         ),
         (
-            lambda s, a, b: s.push(a, group(s, 0, prompt_ids=job_prompt(s, 0) + [20]), [0, 0], 1),
+            lambda s, a, b: push(s, a, group(s, 0, prompt_ids=job_prompt(s, 0) + [20]), [0, 0], 1),
             ProtocolError,
             "prompt_ids are not the job's prompt",
         ),
         (
-            lambda s, a, b: s.push(a, group(s, 0, prompt_ids=job_prompt(s, 1)), [0, 0], 1),
+            lambda s, a, b: push(s, a, group(s, 0, prompt_ids=job_prompt(s, 1)), [0, 0], 1),
             ProtocolError,
             "prompt_ids are not the job's prompt",
         ),
@@ -147,7 +157,6 @@ def test_push_is_idempotent(s):
         (lambda s, a, b: s.set_latest_version(2), ProtocolError, "not the next one"),
         (lambda s, a, b: s.heartbeat("nobody", 1), NotFound, "unknown sampler"),
         (lambda s, a, b: s.leave("nobody"), NotFound, "unknown sampler"),
-        (lambda s, a, b: s.job_seed(7), NotFound, "unknown job 7"),
     ],
 )
 def test_refused_requests_change_nothing(s, make, error, reason):
@@ -198,16 +207,35 @@ def test_push_many_stores_each_group_or_says_why_not(s):
     s.set_latest_version(0)
     s.lease(a, 3, 2, now=0, lease_seconds=10)
     items = [
-        (group(s, 0), [1.0, 0.0]),
-        (group(s, 1, prompt_ids=job_prompt(s, 2)), [1.0, 0.0]),
-        (group(s, 2), [0.0, 0.0]),
-        (group(s, 0), [1.0, 0.0]),  # already stored, by the first item
+        group(s, 0),
+        group(s, 1, prompt_ids=job_prompt(s, 2)),
+        group(s, 2),
+        group(s, 0),  # already stored, by the first item
     ]
     results = s.push_many(a, items, now=1)
-    assert results[0] is True and results[2] is True and results[3] is False
+    seeds = [j[0] for j in s.db.execute("SELECT seed FROM jobs ORDER BY job_id")]
+    assert results[0] == seeds[0] and results[2] == seeds[2] and results[3] is None
     assert "prompt_ids are not the job's prompt" in results[1]
-    assert s.counts()["rollouts"] == {"ready": 2}
+    assert s.counts()["rollouts"] == {"scoring": 2}
     assert s.counts()["jobs"] == {"done": 2, "leased": 1}
+    # the verdicts: one scored, one refused (its job is queued again, an attempt counted)
+    assert s.scored([(0, 1, [1.0, 0.0]), (2, 1, None), (2, 1, [1.0, 1.0])]) == (1, 1)
+    assert s.counts()["rollouts"] == {"ready": 1}
+    assert s.counts()["jobs"] == {"done": 1, "leased": 1, "queued": 1}
+    assert s.scoring() == []
+
+
+def test_a_verdict_for_a_group_that_is_gone_changes_nothing(s):
+    a = sampler(s)
+    s.set_latest_version(0)
+    s.lease(a, 1, 2, now=0, lease_seconds=10)
+    s.push(a, group(s, 0), now=5)
+    ((job, created, _, stored),) = s.scoring()
+    assert (job, created, stored.rewards) == (0, 5, [CLAIMS, CLAIMS])
+    assert s.scored([(0, 4, [1.0, 1.0])]) == (0, 0)  # an older push's verdict
+    assert s.scored([(0, 5, [1.0, 0.0])]) == (1, 0)
+    (pulled,), _ = s.pull(1, now=6, lease_seconds=10, min_version=0)
+    assert pulled.rewards == [1.0, 0.0]  # the broker's, never the claims
 
 
 def test_sync_jobs_need_the_required_version(s):
@@ -216,8 +244,8 @@ def test_sync_jobs_need_the_required_version(s):
     s.set_latest_version(1)
     s.lease(a, 1, 2, now=0, lease_seconds=10, required_version=1)
     with pytest.raises(ProtocolError, match="requires version 1"):
-        s.push(a, group(s, 0, version=0), [0, 0], 1)
-    assert s.push(a, group(s, 0, version=1), [0, 0], 1)
+        push(s, a, group(s, 0, version=0), [0, 0], 1)
+    assert push(s, a, group(s, 0, version=1), [0, 0], 1)
 
 
 def fill(s, versions):
@@ -226,7 +254,7 @@ def fill(s, versions):
         s.set_latest_version(v)
     jobs = s.lease(a, len(versions), 2, now=0, lease_seconds=10)
     for j, v in zip(jobs, versions):
-        s.push(a, group(s, j.job_id, version=v), [1.0, 0.0], now=1)
+        push(s, a, group(s, j.job_id, version=v), [1.0, 0.0], now=1)
 
 
 def test_sync_pull_takes_exactly_one_version(s):
@@ -281,7 +309,7 @@ def test_admission_keeps_out_only_what_the_bound_lets_the_trainer_consume(s):
     jobs = s.lease(a, 9, 2, now=0, lease_seconds=10, admit=admit)
     assert len(jobs) == 4  # (0 + 1 + 1) * B
     for j in jobs:
-        s.push(a, group(s, j.job_id), [1.0, 0.0], now=1)
+        push(s, a, group(s, j.job_id), [1.0, 0.0], now=1)
     pulled, _ = s.pull(2, now=2, lease_seconds=10, min_version=0)
     s.ack([g.job_id for g in pulled], step=0)
     assert s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit) == []  # consumed still count

@@ -2,6 +2,8 @@
 broker's replay agrees with an honest sampler, ignores a dishonest one's claims and refuses
 a transcript whose observations are not the environment's."""
 
+import time
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -181,9 +183,12 @@ def test_the_broker_scores_by_replay_over_http(tmp_path, episodes):
         honest["rewards"] = [9.0] * 4  # a dishonest claim changes nothing
         reply = api.post("/v1/rollouts", json={"sampler_id": sid, "group": honest})
         assert reply.status_code == 200, reply.text
-        assert reply.json()["rewards"] == pytest.approx(played[0].rewards)  # the sampler's own
-        # A transcript of another game (observations the environment never showed) is refused,
-        # even with the other job's prompt ids.
+        assert reply.json() == {"stored": True}  # stored; scored by replay off the request
+        pull = {"n": 4, "step": 0, "wait_s": 10}
+        (scored,) = api.post("/v1/batches/pull", json=pull).json()["groups"]
+        assert scored["rewards"] == pytest.approx(played[0].rewards)  # the sampler's own
+        # A transcript of another game (observations the environment never showed) is refused
+        # by the verifier, even with the other job's prompt ids: deleted, its job queued again.
         other = played[0].model_dump() | {
             "job_id": jobs[1]["job_id"],
             "prompt_ids": jobs[1]["prompt_ids"],
@@ -192,10 +197,15 @@ def test_the_broker_scores_by_replay_over_http(tmp_path, episodes):
             len(c["turns"]) > 1 for c in other["completions"]
         ):
             reply = api.post("/v1/rollouts", json={"sampler_id": sid, "group": other})
-            assert reply.status_code == 409
-            assert "not the environment's observation" in reply.json()["detail"]
-        counts = api.get("/v1/status").json()["rollouts"]
-        assert counts == {"ready": 1}
+            assert reply.status_code == 200
+            for _ in range(100):
+                status = api.get("/v1/status").json()
+                if status["verifier"].get("refused"):
+                    break
+                time.sleep(0.1)
+            assert status["verifier"]["refused"] == 1
+            assert status["jobs"]["queued"] == 1
+        assert api.get("/v1/status").json()["rollouts"] == {"pulled": 1}
 
 
 def test_warm_up_trains_on_the_demonstrated_actions_only(episodes):

@@ -1,0 +1,363 @@
+"""Verifiers off the caller's path: scoring in worker processes, every call bounded.
+
+A verifier is the task's own code run on untrusted text: math-verify on a policy's
+answer, a user's Python, an environment's replay. One that never returns, or that
+holds the interpreter lock in a big-integer loop, must stall neither the broker's
+HTTP server nor a sampler nor an evaluation. `VerifierPool` runs the scoring in
+`workers` spawned processes (no torch, no server: the task and the tokenizer only).
+Each worker may grow by `memory_mb` of address space; each completion gets
+`time_limit_s` of wall clock. A worker past its time is killed (SIGKILL) and
+replaced; that completion scores 0 and the rest of its batch is scored again by
+the new worker. A verifier that crashes its process or runs out of memory scores 0
+the same way. Failures are counted by kind (`timeout`, `crash`, `memory`).
+
+    pool = VerifierPool(VerifierSpec("math_word", codec), workers=2)
+    verdicts = pool.score([(problem_seed, completions), ...])      # blocking, in order
+    pool.submit(tag, problem_seed, completions, done)               # the broker's way
+    pool.close()
+
+`done(pairs)` is called on the pool's thread with `[(tag, Verdict), ...]`: every item
+of one worker batch that named the same `done`, so a caller can store them in one
+transaction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import queue
+import resource
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from echorl.config import RunConfig
+from echorl.models.tokenizer import RunTokenizer
+from echorl.protocol import MAX_GROUP_SIZE, Completion, ProtocolError, Turn
+
+log = logging.getLogger("echorl.verify")
+
+POLL_S = 0.02  # how often a waiting feeder checks its worker's clock
+BATCH = 64  # groups per worker call: one round trip scores many
+START_TIMEOUT_S = 120.0  # a worker that is not ready by then will not be
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """What a worker needs to score: the task (by the name `get_task` resolves), the run's
+    tokenizer, the format bonus and the limits."""
+
+    task: str
+    codec: RunTokenizer
+    format_reward: float = 0.0
+    time_limit_s: float = 5.0
+    memory_mb: int = 1024
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, codec: RunTokenizer) -> VerifierSpec:
+        v = cfg.verify
+        return cls(cfg.task.name, codec, cfg.task.format_reward, v.time_limit_s, v.memory_mb)
+
+
+def run_pool(cfg: RunConfig, codec: RunTokenizer, workers: int = 1) -> VerifierPool:
+    """The run's verifier pool (samplers, trainers and evaluations use one worker)."""
+    return VerifierPool(VerifierSpec.for_run(cfg, codec), workers)
+
+
+@dataclass
+class Verdict:
+    """The scores of one group: `rewards` (0 where the pool gave up), `failed` (kind ->
+    completions it gave up on) and `refused` (the group is not what the task would produce,
+    e.g. an episode transcript that is not the game's: store nothing)."""
+
+    rewards: list[float]
+    failed: Counter = field(default_factory=Counter)
+    refused: str | None = None
+
+
+Done = Callable[[list[tuple[Any, Verdict]]], None]
+Wire = list[tuple[list[int], list[tuple[int, int, int]] | None]]  # token ids, turns
+
+
+def _wire(completions: list[Completion]) -> Wire:
+    turns = lambda c: None if c.turns is None else [(t.start, t.end, t.version) for t in c.turns]  # noqa: E731
+    return [(list(c.token_ids), turns(c)) for c in completions]
+
+
+def _completion(ids: list[int], turns) -> Completion:
+    return Completion.model_construct(
+        token_ids=ids,
+        logprobs=[],
+        finished=True,
+        turns=None if turns is None else [Turn.model_construct(start=s, end=e, version=v) for s, e, v in turns],
+    )
+
+
+# -- the worker process ------------------------------------------------------------------------
+
+
+def _limit_memory(mb: int) -> None:
+    """Cap the address space at what the worker holds now plus `mb` (Linux; elsewhere the time
+    limit alone bounds a call)."""
+    try:
+        with open("/proc/self/status") as f:
+            held = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return
+    limit = held + (mb << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when its parent dies (even by SIGKILL), so a
+    verifier spinning forever never outlives the broker."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(conn, clock, spec: VerifierSpec) -> None:
+    """A worker: load the task, say ready, then score batches until told to stop. `clock` is
+    (the start of the call in progress, or 0; its position) for the parent to watch."""
+    from echorl.rollout.scoring import score_completion
+    from echorl.tasks import get_task
+
+    _die_with_parent()
+    try:
+        task = get_task(spec.task)
+    except Exception as e:  # the user's module: its error is the reason
+        conn.send(f"{type(e).__name__}: {e}")
+        return
+    _limit_memory(spec.memory_mb)
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if msg is None:
+            return
+        batch, skip = msg
+        out = []
+        for g, (seed, completions, format_reward) in enumerate(batch):
+            rewards, failed, refused = [], Counter(), None
+            try:
+                clock[1], clock[0] = g * (MAX_GROUP_SIZE + 1), time.monotonic()
+                problem = task.problem(seed)
+                for k, (ids, turns) in enumerate(completions):
+                    pos = g * (MAX_GROUP_SIZE + 1) + k + 1
+                    if pos in skip:
+                        rewards.append(0.0)
+                        failed[skip[pos]] += 1
+                        continue
+                    clock[1], clock[0] = pos, time.monotonic()
+                    try:
+                        rewards.append(
+                            score_completion(
+                                task, problem, _completion(ids, turns), spec.codec, format_reward, k
+                            )
+                        )
+                    except MemoryError:
+                        rewards.append(0.0)
+                        failed["memory"] += 1
+            except ProtocolError as e:
+                refused = str(e)
+            except MemoryError:
+                refused = "the task's problem could not be made within the memory limit"
+            clock[0] = 0.0
+            out.append((rewards, failed, refused))
+        conn.send(out)
+
+
+# -- the parent's side -------------------------------------------------------------------------
+
+
+class _Stuck(Exception):
+    def __init__(self, position: int, kind: str):
+        self.position, self.kind = position, kind
+
+
+class _Worker:
+    """One worker process and its pipe, restarted when it is killed or dies."""
+
+    def __init__(self, ctx, spec: VerifierSpec):
+        self.ctx, self.spec = ctx, spec
+        self.proc = None
+
+    def start(self) -> None:
+        self.conn, child = self.ctx.Pipe()
+        self.clock = self.ctx.Array("d", [0.0, -1.0], lock=False)
+        self.proc = self.ctx.Process(
+            target=_serve, args=(child, self.clock, self.spec), daemon=True, name="echorl-verifier"
+        )
+        self.proc.start()
+        child.close()
+        said = self._recv() if self.conn.poll(START_TIMEOUT_S) else "no answer"
+        if said != "ready":
+            self.stop()
+            raise RuntimeError(f"a verifier worker for task {self.spec.task!r} failed to start: {said}")
+
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+        self.proc = None
+
+    def run(
+        self, batch: list[tuple[int, Wire, float]]
+    ) -> list[tuple[list[float], Counter, str | None]]:
+        """Score `batch`, restarting the worker past every completion it gives up on."""
+        skip: dict[int, str] = {}
+        while True:
+            if self.proc is None:
+                self.start()
+            try:
+                self.conn.send((batch, skip))
+                return self._wait()
+            except _Stuck as e:
+                why = f"over {self.spec.time_limit_s:g} s" if e.kind == "timeout" else "died"
+                log.error("task %s: a verifier call %s; scoring it 0", self.spec.task, why)
+                self.stop()
+                if e.position % (MAX_GROUP_SIZE + 1) == 0:  # the problem itself: the whole group
+                    g = e.position // (MAX_GROUP_SIZE + 1)
+                    for k in range(len(batch[g][1])):
+                        skip[e.position + k + 1] = e.kind
+                else:
+                    skip[e.position] = e.kind
+            except (BrokenPipeError, OSError):
+                self.stop()  # died between batches: a fresh one takes it
+
+    def _wait(self):
+        limit = self.spec.time_limit_s
+        while True:
+            if self.conn.poll(POLL_S):
+                out = self._recv()
+                if out is not None:
+                    return out
+                raise _Stuck(int(self.clock[1]), "crash")
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                raise _Stuck(int(self.clock[1]), "crash")
+            started = self.clock[0]
+            if started and time.monotonic() - started > limit:
+                raise _Stuck(int(self.clock[1]), "timeout")
+
+
+class VerifierPool:
+    """`workers` verifier processes fed from one queue; see the module docstring."""
+
+    def __init__(self, spec: VerifierSpec, workers: int = 1):
+        ctx = mp.get_context("spawn")  # never fork a process with threads (a server, torch)
+        self.spec = spec
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.failures: Counter = Counter()  # kind -> completions scored 0 by the pool
+        self.refused = 0
+        self.busy_s = 0.0  # summed over workers: seconds spent scoring
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self.workers = [_Worker(ctx, spec) for _ in range(workers)]
+        with ThreadPoolExecutor(workers) as starting:  # spawning takes ~1 s each: in parallel
+            errors = [f.exception() for f in [starting.submit(w.start) for w in self.workers]]
+        if any(errors):
+            self.close()
+            raise next(e for e in errors if e)
+        self.threads = [
+            threading.Thread(target=self._feed, args=(w,), daemon=True, name="verify-feed")
+            for w in self.workers
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(
+        self,
+        tag: Any,
+        seed: int,
+        completions: list[Completion],
+        done: Done,
+        format_reward: float | None = None,
+    ) -> None:
+        """Score the group of problem `seed` later; `done([(tag, verdict), ...])` gets it.
+        `format_reward`: the spec's unless given (evaluation scores the verifier alone: 0)."""
+        fr = self.spec.format_reward if format_reward is None else format_reward
+        self.queue.put((tag, (seed, _wire(completions), fr), done))
+
+    def score(
+        self, items: list[tuple[int, list[Completion]]], format_reward: float | None = None
+    ) -> list[Verdict]:
+        """Score (problem seed, completions) groups; blocks until all are scored."""
+        futures = [Future() for _ in items]
+
+        def done(pairs):
+            for fut, verdict in pairs:
+                fut.set_result(verdict)
+
+        for fut, (seed, completions) in zip(futures, items):
+            self.submit(fut, seed, completions, done, format_reward)
+        return [f.result() for f in futures]
+
+    def utilisation(self) -> float:
+        """Fraction of the workers' time spent scoring since the pool started."""
+        return self.busy_s / max(1e-9, (time.monotonic() - self.t0) * len(self.workers))
+
+    def _feed(self, worker: _Worker) -> None:
+        while (first := self.queue.get()) is not None:
+            items = [first]
+            while len(items) < BATCH:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.queue.put(None)  # for this feeder's next turn: stop then
+                    break
+                items.append(item)
+            t0 = time.monotonic()
+            try:
+                results = worker.run([work for _, work, _ in items])
+            except Exception as e:  # a worker that cannot even start: every group scores 0
+                log.error("task %s: verifier pool failed: %s", self.spec.task, e)
+                results = [([0.0] * len(w[1]), Counter(crash=len(w[1])), None) for _, w, _ in items]
+            by_done: dict[int, tuple[Done, list]] = {}
+            with self._lock:
+                self.busy_s += time.monotonic() - t0
+                for (tag, _, done), (rewards, failed, refused) in zip(items, results):
+                    self.failures.update(failed)
+                    self.refused += refused is not None
+                    by_done.setdefault(id(done), (done, []))[1].append(
+                        (tag, Verdict(rewards, failed, refused))
+                    )
+            for done, pairs in by_done.values():
+                try:
+                    done(pairs)
+                except Exception:
+                    log.exception("verifier pool: the caller's callback failed")
+        worker.stop()
+
+    def close(self) -> None:
+        for _ in self.workers:
+            self.queue.put(None)
+        for t in getattr(self, "threads", []):
+            t.join(timeout=10)
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
