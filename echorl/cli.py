@@ -20,8 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from echorl.config import ConfigError, RunConfig, load_config
+from echorl.protocol import printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 console = Console()
@@ -455,9 +457,11 @@ def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
 @app.command()
 def status(
     broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
-    token: str = typer.Option(None, envvar="ECHORL_TOKEN", help="bearer token (or $ECHORL_TOKEN)"),
+    token: str = typer.Option(
+        None, envvar="ECHORL_TOKEN", help="the trainer (admin) token (or $ECHORL_TOKEN)"
+    ),
 ) -> None:
-    """Print a broker's samplers, versions, jobs and replay buffer."""
+    """Print a broker's samplers, versions, jobs, replay buffer and verifier failures."""
     from echorl.client import BrokerClient, BrokerError
 
     try:
@@ -481,11 +485,11 @@ def status(
         table.add_column(col)
     now = time.time()
     for s in st.samplers:
-        table.add_row(
-            s.id,
-            s.name,
-            s.hardware,
-            s.backend,
+        table.add_row(  # what samplers wrote is shown as text, never as markup
+            Text(s.id),
+            Text(printable(s.name)),
+            Text(printable(s.hardware)),
+            Text(s.backend),
             str(s.version_held),
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
             f"{now - s.last_seen:.0f}",
@@ -496,8 +500,34 @@ def status(
         ("jobs", st.jobs),
         ("rollouts", st.rollouts),
         ("ready_by_version", st.ready_by_version),
+        ("verifier", st.verifier),
     ):
         console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
+    console.print(f"verifier busy: {st.verifier_busy:.0%}")
+
+
+samplers_app = typer.Typer(no_args_is_help=True, help="Manage a broker's samplers (admin).")
+app.add_typer(samplers_app, name="samplers")
+
+
+@samplers_app.command("revoke")
+def revoke(
+    sampler_id: str = typer.Argument(..., help="the sampler's id (see `echorl status`)"),
+    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    token: str = typer.Option(
+        None, envvar="ECHORL_TOKEN", help="the trainer (admin) token (or $ECHORL_TOKEN)"
+    ),
+) -> None:
+    """Refuse one sampler from now on; its leased jobs go back to the queue."""
+    from echorl.client import BrokerClient, BrokerError
+
+    try:
+        with BrokerClient(broker_url, token, retries=1) as client:
+            returned = client.revoke(sampler_id)
+    except BrokerError as e:
+        console.print(Text(f"--broker {broker_url}: {e}", style="red"))
+        raise typer.Exit(1) from None
+    console.print(f"sampler {sampler_id} revoked; {returned} leased jobs returned to the queue")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from echorl.protocol import (
     RegisterReply,
     RewindReply,
     RewindRequest,
+    RevokeReply,
     RunInfo,
     SamplerInfo,
     ScoredGroup,
@@ -143,7 +144,22 @@ class BrokerClient:
     # -- sampler role ---------------------------------------------------------------------------
 
     def register(self, info: SamplerInfo) -> str:
-        return self._post("/v1/samplers", info, RegisterReply).sampler_id
+        """Join the swarm with the enrolment token; from then on this client (and its clones)
+        carries the sampler's own credential. Returns the sampler's id."""
+        reply = self._post("/v1/samplers", info, RegisterReply)
+        self.use_token(reply.credential)
+        return reply.sampler_id
+
+    def use_token(self, token: str) -> None:
+        self.http.headers["Authorization"] = f"Bearer {token}"
+        (url, _), kwargs = self._args
+        self._args = (url, token), kwargs
+
+    def revoke(self, sampler_id: str) -> int:
+        """The admin's (trainer token): refuse this sampler from now on; returns how many of its
+        leased jobs went back to the queue."""
+        r = self._request("POST", f"/v1/samplers/{sampler_id}/revoke")
+        return RevokeReply.model_validate_json(r.content).returned
 
     def heartbeat(
         self, sampler_id: str, version_held: int | None = None, tokens_per_s: float | None = None

@@ -222,6 +222,16 @@ class BrokerConfig(_Section):
         60.0, gt=0.0, le=86400.0, description="silence after which a sampler is lost"
     )
     max_attempts: int = Field(5, ge=1, le=1000, description="leases before a job is parked")
+    max_samplers: int = Field(
+        256, ge=1, le=1_000_000, description="samplers registered and alive at once (429 beyond)"
+    )
+    max_leased_per_sampler: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="jobs one sampler may hold leased at once; unset = train.batch_prompts "
+        "(a sampler that hoards leases and never pushes cannot take every admitted job)",
+    )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest JSON body accepted")
     max_weights_bytes: int = Field(64 << 30, ge=1024, description="largest weights upload accepted")
     keep_versions: int = Field(3, ge=1, le=10000, description="weight versions kept on disk")

@@ -72,9 +72,21 @@ class Unauthorized(ProtocolError):
 
 
 class Forbidden(ProtocolError):
-    """A known token whose role may not call the route (403)."""
+    """A known token whose role may not call the route, or a sampler acting as another (403)."""
 
     status = 403
+
+
+class TooMany(ProtocolError):
+    """A limit on how many of something may exist at once, e.g. registered samplers (429)."""
+
+    status = 429
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """`text` safe for a log line or a terminal: control characters (escape sequences,
+    newlines) become '?', and it is at most `limit` characters."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
 
 
 class Mode(str, Enum):
@@ -90,7 +102,11 @@ class SamplerInfo(_Wire):
     """sampler -> broker (register): who is joining the swarm."""
 
     name: str = Field(pattern=NAME_PATTERN, description="human-readable, unique per host")
-    hardware: str = Field("", max_length=200, description="free text, e.g. 'cpu x2' or 'H200'")
+    hardware: str = Field(
+        "",
+        max_length=200,
+        description="free text, e.g. 'cpu x2' or 'H200' (control characters become '?')",
+    )
     backend: Literal["hf", "vllm", "openai"] = "hf"
     max_batch: int = Field(64, ge=1, le=65536, description="most prompts it generates at once")
     tokenizer: str = Field(
@@ -99,6 +115,11 @@ class SamplerInfo(_Wire):
         "broker refuses one that is not the run's",
     )
     task: str = Field(min_length=1, max_length=MAX_TASK_NAME, description="the task it runs")
+
+    @field_validator("hardware")
+    @classmethod
+    def _printable(cls, text: str) -> str:
+        return printable(text)
 
 
 class TrainerHello(_Wire):
@@ -302,7 +323,15 @@ class WeightVersion(_Wire):
 
 
 class RegisterReply(_Wire):
+    """broker -> a new sampler: its id, and the credential (a bearer token) every later call
+    of this sampler carries instead of the shared enrolment token. Shown once, stored hashed."""
+
     sampler_id: str
+    credential: str
+
+
+class RevokeReply(_Wire):
+    returned: int  # leased jobs handed back to the queue
 
 
 class HeartbeatReply(_Wire):
@@ -326,7 +355,7 @@ class SamplerStatus(_Wire):
     last_seen: float
     version_held: int | None
     tokens_per_s: float | None
-    state: Literal["alive", "lost", "left"]
+    state: Literal["alive", "lost", "left", "revoked"]
 
 
 class StatusReply(_Wire):

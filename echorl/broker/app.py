@@ -58,7 +58,8 @@ async def expire_forever(st: BrokerState) -> None:
     groups whose trainer lease ran out are ready again (each wakes its long polls)."""
     while True:
         await asyncio.sleep(1.0)
-        returned, _ = st.store.expire(time.time(), st.cfg.broker.sampler_timeout)
+        b = st.cfg.broker
+        returned, _ = st.store.expire(time.time(), b.sampler_timeout, b.lease_seconds)
         if returned:
             st.jobs_bell.ring()
         st.groups_bell.ring()

@@ -1,15 +1,27 @@
-"""Who may call what: bearer tokens per role, checked by one FastAPI dependency.
+"""Who may call what: bearer tokens, checked by one FastAPI dependency per kind of route.
 
-Two roles, each with its own token (from the config or $ECHORL_TRAINER_TOKEN /
-$ECHORL_SAMPLER_TOKEN): `sampler` (register, lease, push, download weights) and
-`trainer` (publish, pull, ack, rewind), which is also the admin and may call every
-route. `--insecure-no-auth` lets every call through as the trainer (local demos).
+Three kinds of caller:
+
+- the trainer (`broker.trainer_token` or $ECHORL_TRAINER_TOKEN): publish, pull, ack,
+  rewind, status, revoke; it is also the admin and may call every route;
+- enrolment (`broker.sampler_token` or $ECHORL_SAMPLER_TOKEN, shared by the swarm): may
+  register a sampler and read the run, nothing else;
+- a registered sampler: registration returns a credential of its own, and every later call
+  carries it. It may act only as itself (a push, lease, heartbeat or leave naming another
+  sampler is 403), and a revoked or departed sampler's credential is refused (401).
+
+Credentials are random, shown once, and kept only as sha256 hashes (here in memory, in
+the store on disk). `--insecure-no-auth` lets every call through as the trainer (local
+demos).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import secrets
+from dataclasses import dataclass
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -20,11 +32,32 @@ from echorl.protocol import Forbidden, Unauthorized
 _bearer = HTTPBearer(auto_error=False)
 
 
+@dataclass(frozen=True)
+class Caller:
+    role: str  # "trainer", "enrol" or "sampler"
+    sampler_id: str | None = None  # the sampler whose credential this is
+
+    def acts_as(self, sampler_id: str) -> None:
+        """A sampler may act only as itself (the trainer, as admin, as anyone)."""
+        if self.role == "sampler" and sampler_id != self.sampler_id:
+            raise Forbidden("this credential belongs to another sampler")
+
+
+def new_credential() -> tuple[str, str]:
+    """(a new sampler credential, its hash: what is stored)."""
+    token = secrets.token_urlsafe(32)
+    return token, digest(token)
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 class Auth:
-    def __init__(self, cfg: BrokerConfig):
+    def __init__(self, cfg: BrokerConfig, samplers: dict[str, str]):
         tokens = {
             "trainer": cfg.trainer_token or os.environ.get("ECHORL_TRAINER_TOKEN"),
-            "sampler": cfg.sampler_token or os.environ.get("ECHORL_SAMPLER_TOKEN"),
+            "enrol": cfg.sampler_token or os.environ.get("ECHORL_SAMPLER_TOKEN"),
         }
         if not cfg.insecure_no_auth and not all(tokens.values()):
             raise ValueError(
@@ -33,29 +66,46 @@ class Auth:
             )
         self.tokens = {role: t for role, t in tokens.items() if t}  # never logged
         self.insecure = cfg.insecure_no_auth
+        self.samplers = dict(samplers)  # credential hash -> sampler id
 
-    def role(self, token: str | None) -> str:
-        """The role `token` belongs to; Unauthorized if none."""
+    def admit(self, sampler_id: str, secret: str) -> None:
+        self.samplers[secret] = sampler_id
+
+    def forget(self, sampler_id: str) -> None:
+        """The sampler left or was revoked: its credential is refused from now on."""
+        for secret, sid in list(self.samplers.items()):
+            if sid == sampler_id:
+                del self.samplers[secret]
+
+    def identify(self, token: str | None) -> Caller:
+        """Who `token` belongs to; Unauthorized if nobody."""
         if self.insecure:
-            return "trainer"
+            return Caller("trainer")
         if token is None:
             raise Unauthorized("missing bearer token")
         for role, known in self.tokens.items():
             if hmac.compare_digest(token.encode(), known.encode()):
-                return role
-        raise Unauthorized("unknown token")
+                return Caller(role)
+        sampler_id = self.samplers.get(digest(token))  # a dict lookup of a hash: no timing leak
+        if sampler_id is None:
+            raise Unauthorized("unknown token (a sampler that left or was revoked registers again)")
+        return Caller("sampler", sampler_id)
 
 
-def require(role: str):
-    """A route dependency: the caller holds `role`'s token (or the trainer's, the admin's)."""
+def require(*roles: str):
+    """A route dependency: the caller holds one of `roles` (the trainer, the admin, always
+    passes); the route gets the `Caller`."""
 
     def check(request: Request, cred: HTTPAuthorizationCredentials | None = Depends(_bearer)):
-        who = request.app.state.broker.auth.role(cred.credentials if cred else None)
-        if who != role and who != "trainer":
-            raise Forbidden(f"the {who} role may not call this route")
-        return who
+        caller = request.app.state.broker.auth.identify(cred.credentials if cred else None)
+        if caller.role not in roles and caller.role != "trainer":
+            raise Forbidden(f"the {caller.role} role may not call this route")
+        return caller
 
     return Depends(check)
 
 
-SAMPLER, TRAINER = require("sampler"), require("trainer")
+ENROL = require("enrol")  # register
+SAMPLER = require("sampler")  # every call of a registered sampler
+ANYONE = require("enrol", "sampler")  # read the run
+TRAINER = require()

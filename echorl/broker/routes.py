@@ -1,11 +1,12 @@
 """The broker's routes, on one APIRouter over the shared `BrokerState`.
 
-    sampler:  POST /v1/samplers (register), /v1/samplers/{id}/heartbeat, /v1/samplers/{id}/leave,
-              POST /v1/jobs/lease, /v1/rollouts, /v1/rollouts/batch,
-              GET /v1/weights/latest, /v1/versions/{v}, /v1/weights/{v} (download)
-    trainer:  POST /v1/trainer/hello, /v1/batches/pull, /v1/batches/ack, /v1/trainer/rewind,
-              PUT /v1/weights/{v} (publish)
-    anyone with a token: GET /v1/run, /v1/status;   no token: /healthz, /metrics
+    enrolment: POST /v1/samplers (register: returns the sampler's own credential)
+    sampler:   POST /v1/samplers/{id}/heartbeat, /v1/samplers/{id}/leave,
+               POST /v1/jobs/lease, /v1/rollouts, /v1/rollouts/batch,
+               GET /v1/weights/latest, /v1/versions/{v}, /v1/weights/{v} (download)
+    trainer:   POST /v1/trainer/hello, /v1/batches/pull, /v1/batches/ack, /v1/trainer/rewind,
+               PUT /v1/weights/{v} (publish), GET /v1/status, POST /v1/samplers/{id}/revoke
+    anyone with a token: GET /v1/run;   no token: /healthz, /metrics
 
 Routes validate, authorise and delegate: state to `BrokerStore`, bytes to `WeightStore`,
 rewards to the task's verifier. Errors are raised from the `ProtocolError` tree and
@@ -23,7 +24,7 @@ from fastapi.responses import FileResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from starlette.requests import ClientDisconnect
 
-from echorl.broker.auth import SAMPLER, TRAINER
+from echorl.broker.auth import ANYONE, ENROL, SAMPLER, TRAINER, Caller, new_credential
 from echorl.broker.state import BrokerState
 from echorl.protocol import (
     MAX_ID,
@@ -47,6 +48,7 @@ from echorl.protocol import (
     RegisterReply,
     RewindReply,
     RewindRequest,
+    RevokeReply,
     RunInfo,
     SamplerInfo,
     SamplerStatus,
@@ -78,7 +80,7 @@ def metrics(st: BrokerState = State) -> str:
     return generate_latest(st.metrics.registry).decode()
 
 
-@router.get("/v1/run", dependencies=[SAMPLER])
+@router.get("/v1/run", dependencies=[ANYONE])
 def run_info(st: BrokerState = State) -> RunInfo:
     return st.run_info()
 
@@ -86,36 +88,62 @@ def run_info(st: BrokerState = State) -> RunInfo:
 # -- samplers ---------------------------------------------------------------------------------
 
 
-@router.post("/v1/samplers", dependencies=[SAMPLER])
+@router.post("/v1/samplers", dependencies=[ENROL])
 def register(info: SamplerInfo, st: BrokerState = State) -> RegisterReply:
     st.check_peer("sampler", info.tokenizer, info.task)
-    return RegisterReply(sampler_id=st.store.register(info, time.time()))
+    credential, secret = new_credential()
+    sampler_id = st.store.register(info, time.time(), secret, st.cfg.broker.max_samplers)
+    st.auth.admit(sampler_id, secret)
+    log.info("sampler %s registered: %s (%s)", sampler_id, info.name, info.hardware)
+    return RegisterReply(sampler_id=sampler_id, credential=credential)
 
 
-@router.post("/v1/samplers/{sampler_id}/heartbeat", dependencies=[SAMPLER])
+@router.post("/v1/samplers/{sampler_id}/heartbeat")
 def heartbeat(
-    body: HeartbeatRequest, sampler_id: str = SamplerId, st: BrokerState = State
+    body: HeartbeatRequest,
+    sampler_id: str = SamplerId,
+    caller: Caller = SAMPLER,
+    st: BrokerState = State,
 ) -> HeartbeatReply:
+    caller.acts_as(sampler_id)
     st.store.heartbeat(sampler_id, time.time(), body.version_held, body.tokens_per_s)
     return HeartbeatReply(latest_version=st.store.latest_version())
 
 
-@router.post("/v1/samplers/{sampler_id}/leave", dependencies=[SAMPLER])
-def leave(sampler_id: str = SamplerId, st: BrokerState = State) -> LeaveReply:
+@router.post("/v1/samplers/{sampler_id}/leave")
+def leave(
+    sampler_id: str = SamplerId, caller: Caller = SAMPLER, st: BrokerState = State
+) -> LeaveReply:
+    caller.acts_as(sampler_id)
     returned = st.store.leave(sampler_id)
+    st.auth.forget(sampler_id)
     if returned:
         st.jobs_bell.ring()
     return LeaveReply(returned=returned)
 
 
-@router.post("/v1/jobs/lease", dependencies=[SAMPLER])
-async def lease(body: LeaseRequest, st: BrokerState = State) -> LeaseReply:
+@router.post("/v1/samplers/{sampler_id}/revoke", dependencies=[TRAINER])
+def revoke(sampler_id: str = SamplerId, st: BrokerState = State) -> RevokeReply:
+    """The admin's: this sampler's credential is refused from now on, its leases returned."""
+    returned = st.store.revoke(sampler_id)
+    st.auth.forget(sampler_id)
+    st.jobs_bell.ring()
+    log.warning("sampler %s revoked; %d leased jobs returned", sampler_id, returned)
+    return RevokeReply(returned=returned)
+
+
+@router.post("/v1/jobs/lease")
+async def lease(body: LeaseRequest, caller: Caller = SAMPLER, st: BrokerState = State) -> LeaseReply:
+    caller.acts_as(body.sampler_id)
     b, g = st.cfg.broker, st.cfg.train.group_size
+    max_held = b.max_leased_per_sampler or st.cfg.train.batch_prompts
 
     def attempt():
         now = time.time()
         st.store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s)
-        return st.store.lease(body.sampler_id, body.n, g, now, b.lease_seconds, admit=st.admission)
+        return st.store.lease(
+            body.sampler_id, body.n, g, now, b.lease_seconds, admit=st.admission, max_held=max_held
+        )
 
     jobs = await st.jobs_bell.poll(body.wait_s, attempt)
     # Read after the lease: at least the version its admission budget was computed with.
@@ -123,9 +151,10 @@ async def lease(body: LeaseRequest, st: BrokerState = State) -> LeaseReply:
     return LeaseReply(jobs=jobs, latest_version=version, latest=st.stored_version(version))
 
 
-@router.post("/v1/rollouts", dependencies=[SAMPLER])
-def push(body: PushRequest, st: BrokerState = State) -> PushReply:
+@router.post("/v1/rollouts")
+def push(body: PushRequest, caller: Caller = SAMPLER, st: BrokerState = State) -> PushReply:
     """Stored durably and answered at once; the verifier pool scores it later."""
+    caller.acts_as(body.sampler_id)
     now = time.time()
     seed = st.store.push(body.sampler_id, body.group, now)
     if seed is not None:
@@ -133,9 +162,12 @@ def push(body: PushRequest, st: BrokerState = State) -> PushReply:
     return PushReply(stored=seed is not None)
 
 
-@router.post("/v1/rollouts/batch", dependencies=[SAMPLER])
-def push_many(body: PushManyRequest, st: BrokerState = State) -> PushManyReply:
+@router.post("/v1/rollouts/batch")
+def push_many(
+    body: PushManyRequest, caller: Caller = SAMPLER, st: BrokerState = State
+) -> PushManyReply:
     """Many groups, one transaction; each is accepted or refused on its own."""
+    caller.acts_as(body.sampler_id)
     now = time.time()
     results = []
     for group, ok in zip(body.groups, st.store.push_many(body.sampler_id, body.groups, now)):
@@ -260,7 +292,7 @@ def download(version: int = Version, st: BrokerState = State) -> FileResponse:
     )
 
 
-@router.get("/v1/status", dependencies=[SAMPLER])
+@router.get("/v1/status", dependencies=[TRAINER])
 def status(st: BrokerState = State) -> StatusReply:
     return StatusReply(
         mode=st.cfg.broker.mode,

@@ -223,12 +223,13 @@ def build_state(cfg: RunConfig) -> BrokerState:
         codec = run_tokenizer(cfg.model)
     except (TokenizerError, OSError, ValueError) as e:
         raise SetupError(f"model.tokenizer: {e}") from None
-    try:
-        auth = Auth(b)
-    except ValueError as e:
-        raise SetupError(str(e)) from None
     data = Path(b.data_dir)
     store = open_store(cfg, task, codec)
+    try:
+        auth = Auth(b, store.secrets())
+    except ValueError as e:
+        store.close()
+        raise SetupError(str(e)) from None
     try:
         verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers)
     except RuntimeError as e:

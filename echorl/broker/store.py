@@ -44,6 +44,7 @@ from echorl.protocol import (
     ProtocolError,
     SamplerInfo,
     ScoredGroup,
+    TooMany,
 )
 from echorl.seeding import derive_seed
 from echorl.tasks import Problem, is_heldout
@@ -56,7 +57,8 @@ CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS samplers (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, hardware TEXT NOT NULL, backend TEXT NOT NULL,
     max_batch INTEGER NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
-    version_held INTEGER, tokens_per_s REAL, state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left')));
+    version_held INTEGER, tokens_per_s REAL, secret TEXT NOT NULL, barred_until REAL NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left', 'revoked')));
 CREATE TABLE IF NOT EXISTS jobs (
     job_id INTEGER PRIMARY KEY, task TEXT NOT NULL, seed INTEGER NOT NULL, prompt TEXT NOT NULL,
     prompt_ids TEXT NOT NULL, group_size INTEGER NOT NULL, required_version INTEGER,
@@ -156,15 +158,42 @@ class BrokerStore:
 
     # -- samplers -----------------------------------------------------------------------------
 
-    def register(self, info: SamplerInfo, now: float) -> str:
+    def register(
+        self, info: SamplerInfo, now: float, secret: str = "", max_alive: int | None = None
+    ) -> str:
+        """A new sampler's id. `secret`: the sha256 of its credential (what it authenticates
+        with from now on). Refused (TooMany) when `max_alive` samplers are alive already."""
         sampler_id = uuid.uuid4().hex[:16]
-        self._tx(
-            lambda c: c.execute(
-                "INSERT INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, 'alive')",
-                (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now),
+
+        def fn(c):
+            alive = c.execute("SELECT COUNT(*) FROM samplers WHERE state = 'alive'").fetchone()[0]
+            if max_alive is not None and alive >= max_alive:
+                raise TooMany(
+                    f"{alive} samplers are registered and alive (broker.max_samplers); "
+                    "try again later"
+                )
+            c.execute(
+                "INSERT INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 'alive')",
+                (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now, secret),
             )
-        )
+
+        self._tx(fn)
         return sampler_id
+
+    def secrets(self) -> dict[str, str]:
+        """Credential hash -> sampler id, of every sampler that may still call (not left, not
+        revoked)."""
+        rows = self._tx(
+            lambda c: c.execute(
+                "SELECT secret, id FROM samplers WHERE state IN ('alive', 'lost') AND secret != ''"
+            ).fetchall()
+        )
+        return dict(rows)
+
+    def revoke(self, sampler_id: str) -> int:
+        """Revoke a sampler: it may never call again; its leased jobs go back to the queue.
+        Returns how many were returned."""
+        return self._end(sampler_id, "revoked")
 
     def heartbeat(
         self,
@@ -177,8 +206,8 @@ class BrokerStore:
             row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
             if row is None:
                 raise NotFound(f"unknown sampler {sampler_id!r}; register first")
-            if row[0] == "left":
-                raise ProtocolError(f"sampler {sampler_id!r} has left; register again")
+            if row[0] in ("left", "revoked"):
+                raise ProtocolError(f"sampler {sampler_id!r} has {row[0]}; register again")
             c.execute(
                 "UPDATE samplers SET last_seen = ?, state = 'alive', "
                 "version_held = COALESCE(?, version_held), tokens_per_s = COALESCE(?, tokens_per_s) "
@@ -191,13 +220,15 @@ class BrokerStore:
     def leave(self, sampler_id: str) -> int:
         """A sampler leaves: its leased jobs go back to the queue at once (no attempt counted).
         Returns how many were returned."""
+        return self._end(sampler_id, "left")
 
+    def _end(self, sampler_id: str, state: str) -> int:
         def fn(c):
-            if (
-                c.execute("UPDATE samplers SET state = 'left' WHERE id = ?", (sampler_id,)).rowcount
-                == 0
-            ):
+            row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
+            if row is None:
                 raise NotFound(f"unknown sampler {sampler_id!r}")
+            if row[0] != "revoked":  # revoked stays revoked
+                c.execute("UPDATE samplers SET state = ? WHERE id = ?", (state, sampler_id))
             return c.execute(
                 "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
                 "WHERE state = 'leased' AND lease_owner = ?",
@@ -206,15 +237,21 @@ class BrokerStore:
 
         return self._tx(fn)
 
-    def expire(self, now: float, sampler_timeout: float) -> tuple[int, int]:
-        """Mark silent samplers lost and return expired leases to the queue.
-        Returns (leases returned, samplers lost)."""
+    def expire(self, now: float, sampler_timeout: float, bar_s: float = 0.0) -> tuple[int, int]:
+        """Mark silent samplers lost and return expired leases to the queue. A sampler whose
+        lease ran out may lease nothing for `bar_s` (one that hoards leases and never pushes
+        holds jobs one lease period, then waits one). Returns (leases returned, samplers lost)."""
 
         def fn(c):
             lost = c.execute(
                 "UPDATE samplers SET state = 'lost' WHERE state = 'alive' AND last_seen < ?",
                 (now - sampler_timeout,),
             ).rowcount
+            c.execute(
+                "UPDATE samplers SET barred_until = ? WHERE id IN (SELECT lease_owner FROM jobs "
+                "WHERE state = 'leased' AND lease_deadline < ?)",
+                (now + bar_s, now),
+            )
             returned = c.execute(
                 "UPDATE jobs SET state = CASE WHEN attempts + 1 >= ? THEN 'parked' ELSE 'queued' END, "
                 "attempts = attempts + 1, lease_owner = NULL, lease_deadline = NULL "
@@ -239,7 +276,8 @@ class BrokerStore:
         never restarted on jobs whose prompt ids another tokenizer or format made."""
         columns = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
         columns |= {r[1] for r in self.db.execute("PRAGMA table_info(rollouts)")}
-        if not {"prompt_ids", "rewards"} <= columns:
+        columns |= {r[1] for r in self.db.execute("PRAGMA table_info(samplers)")}
+        if not {"prompt_ids", "rewards", "secret", "barred_until"} <= columns:
             raise ValueError(
                 "this data dir was written by an older echorl (no prompt ids, or no scoring): "
                 "start the broker on a fresh data dir"
@@ -287,15 +325,28 @@ class BrokerStore:
         lease_seconds: float,
         required_version: int | None = None,
         admit: Admission | None = None,
+        max_held: int | None = None,
     ) -> list[Job]:
         """Up to `n` jobs for `sampler_id`: queued ones first, then new ones from the cursor.
-        With `admit`, no more than the admission budget, read in the same transaction."""
+        With `admit`, no more than the admission budget, read in the same transaction; with
+        `max_held`, no more than that many leased to this sampler at once (one that hoards
+        leases and never pushes cannot take every admitted job)."""
 
         def fn(c):
             nonlocal n, required_version
-            row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
+            row = c.execute(
+                "SELECT state, barred_until FROM samplers WHERE id = ?", (sampler_id,)
+            ).fetchone()
             if row is None or row[0] != "alive":
                 raise ProtocolError(f"sampler {sampler_id!r} is not registered and alive")
+            if row[1] > now:  # its last lease ran out unpushed: it waits one lease period
+                return []
+            if max_held is not None:
+                held = c.execute(
+                    "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND lease_owner = ?",
+                    (sampler_id,),
+                ).fetchone()[0]
+                n = min(n, max_held - held)
             if admit is not None:
                 latest = c.execute(
                     "SELECT value FROM meta WHERE key = 'latest_version'"

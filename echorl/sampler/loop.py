@@ -152,7 +152,8 @@ class Sampler:
 
     def run(self, stop: threading.Event) -> None:
         """Lease, generate, push until `stop`. Raises BrokerRejected when the broker refuses
-        this sampler at registration (another tokenizer or task than the run's)."""
+        this sampler: at registration (another tokenizer or task than the run's, too many
+        samplers), or later (401/403: it was revoked)."""
         sampler_id = self.client.register(self.info())
         log.info("%s registered as %s", self.name, sampler_id)
         outage = Outage(self.name)
@@ -174,12 +175,18 @@ class Sampler:
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 outage.failed(e)
                 stop.wait(2.0)
-            except BrokerRejected as e:  # e.g. a version deleted by a resumed trainer
-                log.warning("%s: %s; leasing again", self.name, e)
+            except BrokerRejected as e:
+                if e.status in (401, 403):  # revoked: this sampler may not call any more
+                    raise
+                if "register again" in e.reason:  # it left (or was lost): a new identity
+                    sampler_id = self.client.register(self.info())
+                    log.warning("%s: registered again as %s", self.name, sampler_id)
+                    continue
+                log.warning("%s: %s; leasing again", self.name, e)  # e.g. a version deleted
                 stop.wait(0.5)
         try:  # hand back what it will not finish, so nobody waits for the lease to expire
             self.client.leave(sampler_id)
-        except BrokerUnavailable:
+        except (BrokerUnavailable, BrokerRejected):
             log.warning("%s: could not tell the broker it left; its leases will expire", self.name)
         if self.metrics:
             self.metrics.close()

@@ -79,14 +79,24 @@ def start_sampler(url, model, name, *args):
     )
 
 
+CREDENTIALS: dict[str, str] = {}  # sampler id -> the credential registration returned
+
+
 def register(url, name="s1", **info) -> str:
-    """Register a sampler over HTTP; returns its id."""
+    """Register a sampler over HTTP with the enrolment token; returns its id (its credential
+    is kept in CREDENTIALS: `as_(sid)` sends it)."""
     reply = httpx.post(
         f"{url}/v1/samplers",
         json={"name": name, **IDENTITY, **info},
         headers={"Authorization": f"Bearer {SAMPLER}"},
-    )
-    return reply.json()["sampler_id"]
+    ).json()
+    CREDENTIALS[reply["sampler_id"]] = reply["credential"]
+    return reply["sampler_id"]
+
+
+def as_(who):
+    """The Authorization header of a token, or of a registered sampler's id."""
+    return {"Authorization": f"Bearer {CREDENTIALS.get(who, who)}"}
 
 
 def group(job, version=0, ids=(26, 17, 1), rewards=(0.0, 0.0)) -> dict:

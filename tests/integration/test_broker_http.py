@@ -8,13 +8,9 @@ import sys
 import httpx
 import pytest
 
-from tests.integration.conftest import IDENTITY, SAMPLER, TRAINER, group, register
+from tests.integration.conftest import IDENTITY, SAMPLER, TRAINER, as_, group, register
 
 pytestmark = pytest.mark.integration
-
-
-def as_(token):
-    return {"Authorization": f"Bearer {token}"}
 
 
 def publish(url, version, blob):
@@ -33,23 +29,23 @@ def test_a_sync_round_trip_over_http(broker):
         return httpx.post(
             f"{url}/v1/jobs/lease",
             json={"sampler_id": sid, "n": 2},
-            headers=as_(SAMPLER),
+            headers=as_(sid),
         ).json()
 
     assert lease()["jobs"] == []  # no weights yet: nothing to generate with
     blob = bytes(range(256)) * 100
     assert publish(url, 0, blob).json()["version"] == 0
-    r = httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER) | {"Range": "bytes=100-"})
+    r = httpx.get(f"{url}/v1/weights/0", headers=as_(sid) | {"Range": "bytes=100-"})
     assert r.status_code == 206 and r.content == blob[100:]
     jobs = lease()["jobs"]
     assert [j["required_version"] for j in jobs] == [0, 0]
 
     # The broker scores with its own verifier: "90" is right only for prompts that sum to 90.
     body = {"sampler_id": sid, "group": group(jobs[0], rewards=(1.0, 1.0))}
-    first = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
+    first = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(sid)).json()
     a, b = jobs[0]["prompt"][:-1].split("+")
     assert first == {"stored": True}  # stored at once; scored by the broker's verifiers later
-    again = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()
+    again = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(sid)).json()
     assert again["stored"] is False
 
     pulled = httpx.post(  # a long poll: answered once the group is scored
@@ -74,7 +70,7 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
     sid = register(url, "s1")
     publish(url, 0, b"weights")
     job = httpx.post(
-        f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
+        f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(sid)
     ).json()["jobs"][0]
     other = register(url, "s2")
     push = f"{url}/v1/rollouts"
@@ -90,7 +86,7 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
             httpx.post(
                 push,
                 content=b"{not json",
-                headers=as_(SAMPLER) | {"Content-Type": "application/json"},
+                headers=as_(sid) | {"Content-Type": "application/json"},
             ),
             422,
             "",
@@ -99,7 +95,7 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
             httpx.post(
                 push,
                 json={"sampler_id": sid, "group": group(job) | {"version": "new"}},
-                headers=as_(SAMPLER),
+                headers=as_(sid),
             ),
             422,
             "integer",
@@ -108,7 +104,7 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
             httpx.post(
                 push,
                 json={"sampler_id": sid, "group": group(job, ids=(5, 9999))},
-                headers=as_(SAMPLER),
+                headers=as_(sid),
             ),
             422,
             "outside the vocabulary",
@@ -117,20 +113,20 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
             httpx.post(
                 push,
                 json={"sampler_id": sid, "group": group(job) | {"prompt_ids": [5, 6]}},
-                headers=as_(SAMPLER),
+                headers=as_(sid),
             ),
             409,
             "not the job's prompt",
         ),
         (
             httpx.post(
-                push, json={"sampler_id": sid, "group": group(job, version=3)}, headers=as_(SAMPLER)
+                push, json={"sampler_id": sid, "group": group(job, version=3)}, headers=as_(sid)
             ),
             409,
             "newer than the latest",
         ),
         (
-            httpx.post(push, json={"sampler_id": other, "group": group(job)}, headers=as_(SAMPLER)),
+            httpx.post(push, json={"sampler_id": other, "group": group(job)}, headers=as_(other)),
             409,
             "not leased to sampler",
         ),
@@ -145,11 +141,11 @@ def test_bad_requests_get_a_reason_and_change_nothing(broker):
             "unknown token",
         ),
         (
-            httpx.post(f"{url}/v1/batches/pull", json={"n": 1, "step": 0}, headers=as_(SAMPLER)),
+            httpx.post(f"{url}/v1/batches/pull", json={"n": 1, "step": 0}, headers=as_(sid)),
             403,
             "sampler role",
         ),
-        (httpx.post(push, content=b"x" * 200_000, headers=as_(SAMPLER)), 413, "exceeds the limit"),
+        (httpx.post(push, content=b"x" * 200_000, headers=as_(sid)), 413, "exceeds the limit"),
         (
             httpx.put(
                 f"{url}/v1/weights/1", content=b"abc", headers=as_(TRAINER) | {"X-Sha256": "0" * 64}
@@ -240,6 +236,8 @@ def test_async_admission_control_and_retention(tmp_path):
         "train.batch_prompts=3",
         "-o",
         "broker.keep_versions=2",
+        "-o",
+        "broker.max_leased_per_sampler=100",
     )
     try:
         assert publish(url, 0, b"weights 0").status_code == 200
@@ -247,7 +245,7 @@ def test_async_admission_control_and_retention(tmp_path):
 
         def lease(n):
             return httpx.post(
-                f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
+                f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(sid)
             ).json()["jobs"]
 
         def pull(step, n=3, wait_s=0):
@@ -258,7 +256,7 @@ def test_async_admission_control_and_retention(tmp_path):
         assert len(first) == 5 and all(j["required_version"] is None for j in first)
         assert len(lease(5)) == 1 and lease(5) == []
         body = {"sampler_id": sid, "group": group(first[0], version=0)}
-        assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(SAMPLER)).json()["stored"]
+        assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(sid)).json()["stored"]
         assert lease(5) == []  # the pushed group still waits in the buffer
         assert len(pull(0, wait_s=5).json()["groups"]) == 1  # once scored
         assert lease(5) == []  # taken by the trainer, but still counted against v0's budget
@@ -269,7 +267,7 @@ def test_async_admission_control_and_retention(tmp_path):
             assert publish(url, v, f"weights {v}".encode()).status_code == 200
         kept = sorted(p.name for p in (tmp_path / "b" / "weights").glob("*.safetensors"))
         assert kept == ["v2.safetensors", "v3.safetensors"]
-        assert httpx.get(f"{url}/v1/weights/0", headers=as_(SAMPLER)).status_code == 404
+        assert httpx.get(f"{url}/v1/weights/0", headers=as_(sid)).status_code == 404
     finally:
         stop_broker(proc)
 
@@ -283,9 +281,9 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
     sid = register(url, "s1")
     publish(url, 0, b"weights")
     job = httpx.post(
-        f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(SAMPLER)
+        f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 1}, headers=as_(sid)
     ).json()["jobs"][0]
-    push, h = f"{url}/v1/rollouts", as_(SAMPLER)
+    push, h = f"{url}/v1/rollouts", as_(sid)
 
     def raw(
         body,
@@ -337,8 +335,8 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
         (raw({"sampler_id": sid, "group": group(10**6)}), 404),
         (raw({"sampler_id": sid, "group": group(job), "admin": True}), 422),
         (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": 10**6}, headers=h), 422),
-        (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": "ghost", "n": 1}, headers=h), 404),
-        (httpx.post(f"{url}/v1/samplers/ghost/heartbeat", json={}, headers=h), 404),
+        (httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": "ghost", "n": 1}, headers=h), 403),
+        (httpx.post(f"{url}/v1/samplers/ghost/heartbeat", json={}, headers=h), 403),
         (httpx.post(f"{url}/v1/batches/pull", json={"n": 0, "step": 0}, headers=as_(TRAINER)), 422),
         (
             httpx.post(
@@ -354,11 +352,11 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
         (httpx.get(f"{url}/v1/weights/..%2F..%2Fbroker.sqlite", headers=h), 404),
         (
             httpx.post(
-                f"{url}/v1/samplers", json={"name": "x", "max_batch": -4, **IDENTITY}, headers=h
+                f"{url}/v1/samplers", json={"name": "x", "max_batch": -4, **IDENTITY}, headers=as_(SAMPLER)
             ),
             422,
         ),
-        (httpx.post(f"{url}/v1/samplers", json={"name": "no-identity"}, headers=h), 422),
+        (httpx.post(f"{url}/v1/samplers", json={"name": "no-identity"}, headers=as_(SAMPLER)), 422),
     ]
     with sqlite3.connect(data / "broker.sqlite") as db:
         jobs_before = list(db.execute("SELECT * FROM jobs"))
@@ -393,18 +391,19 @@ def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
 
         def lease(sid, n=1):
             return httpx.post(
-                f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(SAMPLER)
+                f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(sid)
             ).json()["jobs"]
 
         (job,) = lease(a)  # sampler a "dies" holding it
         time.sleep(2.5)
         assert [j["job_id"] for j in lease(b)] == [job["job_id"]]  # re-leased to b
+        assert lease(a) == []  # its lease ran out unpushed: barred for one lease period
         late = httpx.post(
-            f"{url}/v1/rollouts", json={"sampler_id": a, "group": group(job)}, headers=as_(SAMPLER)
+            f"{url}/v1/rollouts", json={"sampler_id": a, "group": group(job)}, headers=as_(a)
         )
         assert late.status_code == 409  # a's lease is gone
         assert httpx.post(
-            f"{url}/v1/rollouts", json={"sampler_id": b, "group": group(job)}, headers=as_(SAMPLER)
+            f"{url}/v1/rollouts", json={"sampler_id": b, "group": group(job)}, headers=as_(b)
         ).json()["stored"]
 
         def pull(wait_s=0):
@@ -434,6 +433,7 @@ def test_samplers_get_bf16_weights_while_the_trainer_uploads_fp32(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from echorl.client import BrokerClient
+    from echorl.protocol import SamplerInfo
     from tests.integration.conftest import free_port, start_broker, stop_broker
 
     proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.sampler_dtype=bfloat16")
@@ -442,6 +442,7 @@ def test_samplers_get_bf16_weights_while_the_trainer_uploads_fp32(tmp_path):
         save_file(weights, tmp_path / "fp32.safetensors")
         with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as sampler:
             trainer.publish(0, tmp_path / "fp32.safetensors")
+            sampler.register(SamplerInfo(name="bf16", **IDENTITY))
             latest = sampler.latest()
             assert latest.dtype == "bfloat16"
             got = load_file(sampler.download(latest, tmp_path / "dl.safetensors"))
@@ -450,6 +451,6 @@ def test_samplers_get_bf16_weights_while_the_trainer_uploads_fp32(tmp_path):
         assert latest.size_bytes < (tmp_path / "fp32.safetensors").stat().st_size * 0.6
         bad = publish(url, 1, b"not a safetensors file")
         assert bad.status_code == 400 and "cannot cast" in bad.text
-        assert httpx.get(f"{url}/v1/weights/latest", headers=as_(SAMPLER)).json()["version"] == 0
+        assert httpx.get(f"{url}/v1/weights/latest", headers=as_(TRAINER)).json()["version"] == 0
     finally:
         stop_broker(proc)
