@@ -27,6 +27,9 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 MAX_PROMPT_TOKENS = 1 << 17
 MAX_TASK_NAME = 4096  # a built-in name, jsonl:PATH, rg:DATASET or module:Name
 MAX_ID = 2**62  # ids, versions and steps fit SQLite's signed 64-bit integers
+# A sampled token's log-prob below this had a chance under 4e-44 of being drawn: a sampler
+# that reports one is broken or lying (and -1e30 would make the loss inf).
+MIN_LOGPROB = -100.0
 Id = Annotated[int, Field(ge=0, le=MAX_ID)]
 
 
@@ -202,8 +205,11 @@ class Completion(_Wire):
     @classmethod
     def _logprobs_are_logprobs(cls, lps: list[float]) -> list[float]:
         for i, lp in enumerate(lps):
-            if not math.isfinite(lp) or lp > 0.0:
-                raise ValueError(f"logprobs[{i}] = {lp}: log-probs must be finite and <= 0")
+            if not (MIN_LOGPROB <= lp <= 0.0):  # also false for NaN
+                raise ValueError(
+                    f"logprobs[{i}] = {lp}: log-probs must be finite, >= {MIN_LOGPROB:g} and <= 0 "
+                    "(a sampled token's)"
+                )
         return lps
 
     @model_validator(mode="after")
@@ -248,6 +254,9 @@ class ScoredGroup(_Wire):
     completions: list[Completion] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
     rewards: list[float] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
     gen_seconds: float = Field(0.0, ge=0.0, le=86400.0)
+    sampler: str | None = Field(
+        None, max_length=64, description="who generated it: filled in by the broker on a pull"
+    )
 
     @model_validator(mode="after")
     def _oldest_version(self) -> ScoredGroup:

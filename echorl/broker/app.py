@@ -19,7 +19,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -46,7 +46,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     app = FastAPI(title="echorl broker", version="1", lifespan=lifespan)
     app.state.broker = st
-    app.middleware("http")(limit_body)
+    app.add_middleware(Gate)
     app.add_exception_handler(ProtocolError, protocol_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.include_router(router)
@@ -65,13 +65,43 @@ async def expire_forever(st: BrokerState) -> None:
         st.groups_bell.ring()
 
 
-async def limit_body(request: Request, call_next):
-    b = request.app.state.broker.cfg.broker
-    size = request.headers.get("content-length")
-    limit = b.max_weights_bytes if request.url.path.startswith("/v1/weights/") else b.max_body_bytes
-    if size is not None and (not size.isdigit() or int(size) > limit):
-        return JSONResponse({"detail": f"body of {size} bytes exceeds the limit of {limit}"}, 413)
-    return await call_next(request)
+class Gate:
+    """Before any route reads a byte of the body: every /v1 call carries a token somebody
+    holds (401 otherwise), and no body exceeds the limit (413), whether it announces its
+    length or streams it chunked (counted as it arrives)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = scope["app"].state.broker
+        path, headers = scope["path"], dict(scope["headers"])
+        b = st.cfg.broker
+        limit = b.max_weights_bytes if path.startswith("/v1/weights/") else b.max_body_bytes
+        size = headers.get(b"content-length", b"").decode("latin-1")
+        if size and (not size.isdigit() or int(size) > limit):
+            reply = {"detail": f"body of {size} bytes exceeds the limit of {limit}"}
+            return await JSONResponse(reply, 413)(scope, receive, send)
+        if path.startswith("/v1/"):
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            try:
+                st.auth.identify(token if scheme.lower() == "bearer" and token else None)
+            except Unauthorized as e:
+                reply = JSONResponse({"detail": str(e)}, 401, {"WWW-Authenticate": "Bearer"})
+                return await reply(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HTTPException(413, f"body exceeds the limit of {limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:

@@ -155,6 +155,7 @@ async def lease(body: LeaseRequest, caller: Caller = SAMPLER, st: BrokerState = 
 def push(body: PushRequest, caller: Caller = SAMPLER, st: BrokerState = State) -> PushReply:
     """Stored durably and answered at once; the verifier pool scores it later."""
     caller.acts_as(body.sampler_id)
+    st.check_size(body.group)
     now = time.time()
     seed = st.store.push(body.sampler_id, body.group, now)
     if seed is not None:
@@ -169,13 +170,21 @@ def push_many(
     """Many groups, one transaction; each is accepted or refused on its own."""
     caller.acts_as(body.sampler_id)
     now = time.time()
-    results = []
-    for group, ok in zip(body.groups, st.store.push_many(body.sampler_id, body.groups, now)):
+    sized, results = [], {}
+    for group in body.groups:
+        try:
+            st.check_size(group)
+            sized.append(group)
+        except ProtocolError as e:
+            results[group.job_id] = PushResult(job_id=group.job_id, stored=False, refused=str(e))
+    for group, ok in zip(sized, st.store.push_many(body.sampler_id, sized, now)):
         if isinstance(ok, int):
             st.verify_later(ok, now, group)
         refused = ok if isinstance(ok, str) else None
-        results.append(PushResult(job_id=group.job_id, stored=isinstance(ok, int), refused=refused))
-    return PushManyReply(results=results)
+        results[group.job_id] = PushResult(
+            job_id=group.job_id, stored=isinstance(ok, int), refused=refused
+        )
+    return PushManyReply(results=[results[g.job_id] for g in body.groups])
 
 
 # -- trainer ----------------------------------------------------------------------------------

@@ -25,10 +25,11 @@ from echorl.protocol import (
     ProtocolError,
     RunInfo,
     ScoredGroup,
+    Unprocessable,
     WeightVersion,
 )
 from echorl.rollout.verify import Verdict, VerifierPool, VerifierSpec
-from echorl.tasks import Environment, Task, get_task
+from echorl.tasks import Environment, Task, get_task, is_environment
 
 T = TypeVar("T")
 log = logging.getLogger("echorl.broker")
@@ -136,6 +137,30 @@ class BrokerState:
         if refused:
             self.jobs_bell.ring()
 
+    def check_size(self, group: ScoredGroup) -> None:
+        """No completion longer than the run lets a sampler generate (Unprocessable): the
+        task's `max_new_tokens` (or sampling.max_new_tokens), or for an environment its
+        `max_turns` turns of `max_action_tokens` (observations are checked by replay)."""
+        task = self.task
+        for k, c in enumerate(group.completions):
+            if is_environment(task):
+                turns = c.turns or []
+                model = sum(t.end - t.start for t in turns)
+                if len(turns) > task.max_turns or model > task.max_turns * task.max_action_tokens:
+                    raise Unprocessable(
+                        f"completions[{k}]: {len(turns)} turns of {model} tokens, but "
+                        f"{task.name} allows {task.max_turns} of {task.max_action_tokens}"
+                    )
+            elif len(c.token_ids) > (limit := self.max_new_tokens):
+                raise Unprocessable(
+                    f"completions[{k}]: {len(c.token_ids)} tokens, but the run generates at "
+                    f"most {limit} (max_new_tokens)"
+                )
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.cfg.sampling.max_new_tokens or self.task.max_new_tokens
+
     def stored_version(self, version: int) -> WeightVersion | None:
         """`version`'s WeightVersion, or None (none yet, or forgotten by a rewind just now)."""
         try:
@@ -230,11 +255,8 @@ def build_state(cfg: RunConfig) -> BrokerState:
     except ValueError as e:
         store.close()
         raise SetupError(str(e)) from None
-    try:
-        verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers)
-    except RuntimeError as e:
-        store.close()
-        raise SetupError(str(e)) from None
+    # The task loaded here already; its workers start in the background (/healthz answers).
+    verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers, wait=False)
     metrics = Metrics()
     metrics.latest.set(store.latest_version())
     st = BrokerState(

@@ -74,9 +74,11 @@ CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
 """
 
 
-def _with_rewards(body: str, rewards: str) -> ScoredGroup:
-    """A stored group with the broker's rewards (the body holds the sampler's claims)."""
-    return ScoredGroup.model_validate_json(body).model_copy(update={"rewards": json.loads(rewards)})
+def _with_rewards(body: str, rewards: str, sampler_id: str) -> ScoredGroup:
+    """A stored group with the broker's rewards (the body holds the sampler's claims) and the
+    id of the sampler that pushed it."""
+    group = ScoredGroup.model_validate_json(body)
+    return group.model_copy(update={"rewards": json.loads(rewards), "sampler": sampler_id})
 
 
 @dataclass(frozen=True)
@@ -556,7 +558,7 @@ class BrokerStore:
         lost) gets the same groups again. Returns the groups and how many this call dropped."""
 
         def fn(c):
-            select = "SELECT job_id, body, rewards FROM rollouts r "
+            select = "SELECT job_id, body, rewards, sampler_id FROM rollouts r "
             if request_id is not None:
                 rows = c.execute(
                     select + "WHERE state = 'pulled' AND pull_request = ? ORDER BY job_id",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import safetensors
 
-from echorl.protocol import BadRequest, NotFound, TooLarge, WeightVersion
+from echorl.protocol import BadRequest, NotFound, ProtocolError, TooLarge, WeightVersion
 
 
 class WeightStore:
@@ -29,7 +29,10 @@ class WeightStore:
         self, folder: Path, dtype: str = "float32", keep: int = 3, max_bytes: int = 1 << 36
     ):
         self.folder, self.dtype, self.keep, self.max_bytes = folder, dtype, keep, max_bytes
+        self.uploading: set[int] = set()  # versions being received now (on the event loop)
         folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(".upload-*"):  # a broker killed mid-upload
+            stale.unlink()
 
     def file(self, version: int) -> Path:
         return self.folder / f"v{version}.safetensors"
@@ -55,8 +58,12 @@ class WeightStore:
 
     async def receive(self, version: int, sha256: str, chunks: AsyncIterator[bytes]) -> None:
         """Store the upload of `version`, which must hash to `sha256`; raises TooLarge or
-        BadRequest (and stores nothing) otherwise."""
-        tmp = self.folder / f".upload-{version}"
+        BadRequest (and stores nothing) otherwise, and ProtocolError while another upload of
+        `version` is under way (each upload has its own file: they never mix)."""
+        if version in self.uploading:
+            raise ProtocolError(f"an upload of version {version} is under way; retry later")
+        self.uploading.add(version)
+        tmp = self.folder / f".upload-{version}-{os.urandom(8).hex()}"
         digest, size = hashlib.sha256(), 0
         try:
             with tmp.open("wb") as f:
@@ -70,23 +77,26 @@ class WeightStore:
                 await asyncio.to_thread(os.fsync, f.fileno())  # the other routes go on meanwhile
             if digest.hexdigest() != sha256:
                 raise BadRequest(f"sha256 mismatch: body hashes to {digest.hexdigest()}")
-            served = await asyncio.to_thread(self._serve, tmp, version, sha256)
+            await asyncio.to_thread(self._serve, tmp, version, sha256)
         finally:
             tmp.unlink(missing_ok=True)
-        self.file(version).with_suffix(".sha256").write_text(served)
-        (self.folder / f"v{version}.upload.sha256").write_text(sha256)
+            tmp.with_name(tmp.name + ".cast").unlink(missing_ok=True)
+            self.uploading.discard(version)
 
-    def _serve(self, upload: Path, version: int, sha256: str) -> str:
-        """Put the upload in place as the samplers' file (cast when asked); its sha256."""
+    def _serve(self, upload: Path, version: int, sha256: str) -> None:
+        """Put the upload in place as the samplers' file (cast when asked), its sha256 files
+        first: the version is visible only once everything about it is."""
+        staged = upload
+        if self.dtype != "float32":
+            staged = upload.with_name(upload.name + ".cast")
+            try:
+                _cast_safetensors(upload, staged, self.dtype)
+            except (safetensors.SafetensorError, ValueError, OSError) as e:
+                raise BadRequest(f"cannot cast the upload to {self.dtype}: {e}") from None
         final = self.file(version)
-        if self.dtype == "float32":
-            upload.replace(final)
-            return sha256
-        try:
-            _cast_safetensors(upload, final, self.dtype)
-        except (safetensors.SafetensorError, ValueError, OSError) as e:
-            raise BadRequest(f"cannot cast the upload to {self.dtype}: {e}") from None
-        return _sha256(final)
+        final.with_suffix(".sha256").write_text(sha256 if staged is upload else _sha256(staged))
+        (self.folder / f"v{version}.upload.sha256").write_text(sha256)
+        staged.replace(final)
 
     def retain(self, newest: int, referenced: set[int]) -> None:
         """Delete versions older than the last `keep`, except those still referenced."""

@@ -171,6 +171,14 @@ class RunTokenizer:
             bos_token=self.bos_token or "",
         )
 
+    def __getstate__(self) -> dict:
+        """Pickled without caches (a compiled template is not picklable): what a verifier
+        worker process receives."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_compiled", "fingerprint")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     @cached_property
     def _compiled(self):
         return _compile(self.chat_template)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing as mp
+import os
 import queue
 import resource
 import signal
@@ -130,6 +131,7 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
     from echorl.tasks import get_task
 
     _die_with_parent()
+    os.nice(10)  # below the server that feeds it: a spinning verifier takes only idle CPU
     try:
         task = get_task(spec.task)
     except Exception as e:  # the user's module: its error is the reason
@@ -173,6 +175,7 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
                 refused = "the task's problem could not be made within the memory limit"
             clock[0] = 0.0
             out.append((rewards, failed, refused))
+        clock[1] = -1.0  # between batches: a death now is nobody's completion
         conn.send(out)
 
 
@@ -234,6 +237,8 @@ class _Worker:
                 why = f"over {self.spec.time_limit_s:g} s" if e.kind == "timeout" else "died"
                 log.error("task %s: a verifier call %s; scoring it 0", self.spec.task, why)
                 self.stop()
+                if e.position < 0:  # died before it scored anything: it would again
+                    raise RuntimeError(f"a verifier worker for {self.spec.task!r} died idle")
                 if e.position % (MAX_GROUP_SIZE + 1) == 0:  # the problem itself: the whole group
                     g = e.position // (MAX_GROUP_SIZE + 1)
                     for k in range(len(batch[g][1])):
@@ -261,7 +266,10 @@ class _Worker:
 class VerifierPool:
     """`workers` verifier processes fed from one queue; see the module docstring."""
 
-    def __init__(self, spec: VerifierSpec, workers: int = 1):
+    def __init__(self, spec: VerifierSpec, workers: int = 1, wait: bool = True):
+        """`wait`: start the workers now and raise if one cannot load the task; otherwise
+        each starts on its feeder thread (the broker answers /healthz meanwhile) and a
+        group submitted before then waits for it."""
         ctx = mp.get_context("spawn")  # never fork a process with threads (a server, torch)
         self.spec = spec
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -271,11 +279,12 @@ class VerifierPool:
         self.t0 = time.monotonic()
         self._lock = threading.Lock()
         self.workers = [_Worker(ctx, spec) for _ in range(workers)]
-        with ThreadPoolExecutor(workers) as starting:  # spawning takes ~1 s each: in parallel
-            errors = [f.exception() for f in [starting.submit(w.start) for w in self.workers]]
-        if any(errors):
-            self.close()
-            raise next(e for e in errors if e)
+        if wait:
+            with ThreadPoolExecutor(workers) as starting:  # ~1 s each: in parallel
+                errors = [f.exception() for f in [starting.submit(w.start) for w in self.workers]]
+            if any(errors):
+                self.close()
+                raise next(e for e in errors if e)
         self.threads = [
             threading.Thread(target=self._feed, args=(w,), daemon=True, name="verify-feed")
             for w in self.workers
@@ -315,6 +324,11 @@ class VerifierPool:
         return self.busy_s / max(1e-9, (time.monotonic() - self.t0) * len(self.workers))
 
     def _feed(self, worker: _Worker) -> None:
+        if worker.proc is None:
+            try:
+                worker.start()
+            except Exception as e:  # retried with the first batch; counted as crashes
+                log.error("verifier worker for %r cannot start: %s", self.spec.task, e)
         while (first := self.queue.get()) is not None:
             items = [first]
             while len(items) < BATCH:

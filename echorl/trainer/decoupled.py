@@ -43,6 +43,10 @@ from echorl.trainer.update import build_optimizer, build_scheduler, update_polic
 from echorl.trainer.weights import stream_safetensors
 
 
+class NonFiniteWeights(RuntimeError):
+    """The policy holds a NaN or inf: it is never published."""
+
+
 class Publisher:
     """Uploads weight versions on a background thread, one at a time and in order, so the
     trainer can pull its next batch while the last version is still on the wire (async).
@@ -55,8 +59,16 @@ class Publisher:
         self.last_s = 0.0  # seconds the last finished upload took
 
     def submit(self, model: PreTrainedModel, version: int) -> None:
+        """Upload `version` in the background; refuses (NonFiniteWeights) weights with a
+        NaN or inf anywhere: no sampler ever generates from a broken policy."""
         self.wait()
         state = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
+        if broken:
+            raise NonFiniteWeights(
+                f"version {version} has non-finite values in {len(broken)} tensors (e.g. "
+                f"{broken[0]}): not published"
+            )
         self.pending = self.pool.submit(self._publish, state, version)
 
     def _publish(self, state: dict, version: int) -> float:
@@ -235,6 +247,12 @@ class DecoupledTrainer:
             self.ref_model,
         )
         train_s = time.perf_counter() - t0
+        if metrics.get("optim/nonfinite_skipped"):
+            self.console.print(
+                f"[yellow]step {step}: {metrics['optim/nonfinite_skipped']:.0f} minibatches had a "
+                "non-finite loss or gradient and were skipped; the batch came from samplers "
+                f"{sorted({g.sampler or '?' for g in groups})}"
+            )
         ids = [g.job_id for g in groups]
         self.client.ack(ids, step)
         self.consumed += ids

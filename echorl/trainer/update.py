@@ -66,7 +66,7 @@ def train_on_batch(
     loss_fn = LOSSES[cfg.loss.type]
     gen = torch.Generator().manual_seed(seed)
     sums: dict[str, float] = defaultdict(float)
-    steps = 0
+    steps = skipped = 0
     model.train()
     for _ in range(cfg.train.ppo_epochs):
         order = torch.randperm(len(batch), generator=gen)
@@ -85,6 +85,12 @@ def train_on_batch(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                # A non-finite loss or gradient never reaches the weights: this minibatch is
+                # skipped and counted (its groups' samplers are named by the caller).
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             optimizer.step()
             scheduler.step()
             metrics["policy/entropy"] = (
@@ -95,7 +101,8 @@ def train_on_batch(
                 sums[k] += v
             steps += 1
     model.eval()
-    out = {k: v / steps for k, v in sums.items()}
+    out = {k: v / steps for k, v in sums.items()} if steps else {}
+    out["optim/nonfinite_skipped"] = float(skipped)
     out["optim/lr"] = scheduler.get_last_lr()[0]
     mask = batch.loss_mask.bool()
     if cfg.loss.proximal:

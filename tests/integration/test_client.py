@@ -37,10 +37,10 @@ def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
     blob = os.urandom(3 * (1 << 20) + 123)
     (tmp_path / "w.safetensors").write_bytes(blob)
     with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as sampler:
+        sid = sampler.register(info("c1"))  # from now on the client carries its credential
         assert sampler.latest() is None
         published = trainer.publish(0, tmp_path / "w.safetensors")
         assert sampler.latest() == published
-        sid = sampler.register(info("c1"))
         jobs = sampler.lease(sid, 3).jobs
         assert len(jobs) == 3
         assert sampler.push(sid, group(jobs[0])).stored
@@ -48,7 +48,8 @@ def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
         with pytest.raises(BrokerRejected) as e:
             sampler.pull(1, 0)
         assert e.value.status == 403
-        pulled = trainer.pull(4, 0)
+        pulled = trainer.pull(4, 0, wait_s=5)  # answered once the verifiers scored it
+        assert pulled.groups[0].sampler == sid
         assert [g.job_id for g in pulled.groups] == [jobs[0].job_id]
         assert trainer.ack([jobs[0].job_id], 0) == 1
 
@@ -74,8 +75,10 @@ def test_lease_and_pull_are_long_polls_answered_by_a_publish_and_a_push(broker, 
         assert sampler.lease(sid, 4, wait_s=0.2).jobs == []  # v0's batch is all out
 
         waiting = {}
+        other = BrokerClient(url, SAMPLER)  # a second sampler (one holds at most B leased)
+        other_id = other.register(info("poller2"))
         lease = threading.Thread(
-            target=lambda: waiting.update(reply=sampler.clone().lease(sid, 4, wait_s=10.0))
+            target=lambda: waiting.update(reply=other.lease(other_id, 4, wait_s=10.0))
         )
         lease.start()
         time.sleep(0.3)
@@ -90,7 +93,7 @@ def test_lease_and_pull_are_long_polls_answered_by_a_publish_and_a_push(broker, 
         )
         pull.start()
         time.sleep(0.3)
-        sampler.push_many(sid, [group(j, version=1) for j in reply.jobs[:2]])
+        other.push_many(other_id, [group(j, version=1) for j in reply.jobs[:2]])
         pull.join()
         pulled = waiting["pulled"].groups
         assert sorted(g.job_id for g in pulled) == [j.job_id for j in reply.jobs[:2]]

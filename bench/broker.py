@@ -1,0 +1,222 @@
+"""Benchmark: broker ingest under a swarm. N simulated samplers push scored groups (G = 8,
+64-256 tokens each, one group per push) while a trainer pulls and acks; the broker is a
+real `echorl broker` process with its verifier pool.
+
+    python bench/broker.py [--samplers 1 8 64 256] [--seconds 8] [--tasks add math_word]
+
+Per (task, N): groups stored/s, groups scored/s (ready for the trainer), push latency
+p50/p99, the trainer's pull and ack p99, and the verifier pool's utilisation. Targets
+(2 cores, task add, N = 64): >= 2,000 groups/s, push p99 < 50 ms, pull/ack p99 < 50 ms.
+The samplers and the trainer are asyncio tasks in this process, which shares the
+machine's cores with the broker. Writes bench/results/broker.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from broker_start import free_port  # noqa: E402
+
+from echorl.models.tokenizer import RunTokenizer  # noqa: E402
+from echorl.tasks import get_task  # noqa: E402
+
+TRAINER, ENROL = "t" * 32, "s" * 32
+G, B = 8, 64
+CODEC = RunTokenizer.builtin()
+
+
+def start_broker(data: str, port: int, task: str, workers: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "echorl.cli", "broker", "--data-dir", data, "--port", str(port)]
+    for o in (
+        f"task.name={task}",
+        "broker.mode=async",
+        "broker.max_staleness=1000",  # admission never binds: ingest is what is measured
+        f"train.batch_prompts={B}",
+        f"train.group_size={G}",
+        "sampling.max_new_tokens=256",
+        f"verify.workers={workers}",
+        "broker.max_leased_per_sampler=64",
+        f"broker.trainer_token={TRAINER}",
+        f"broker.sampler_token={ENROL}",
+    ):
+        args += ["-o", o]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
+            return proc
+        except httpx.TransportError:
+            assert proc.poll() is None, "the broker exited"
+            time.sleep(0.05)
+    raise RuntimeError("the broker did not start")
+
+
+def completion(task, job: dict, rng: random.Random) -> dict:
+    """A plausible completion of 64-256 tokens that ends in an answer (right half the time)."""
+    problem = task.problem(job["seed"])
+    answer = problem.answer if rng.random() < 0.5 else "7"
+    text = ("Let me think step by step. " * 10)[: rng.randint(48, 230)]
+    text = f"{answer}\n{text}" if task.name != "math_word" else f"{text} \\boxed{{{answer}}}"
+    ids = CODEC.encode(text)[:256]
+    return {"token_ids": ids, "logprobs": [-0.7] * len(ids), "finished": True}
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.push: list[float] = []
+        self.pull: list[float] = []
+        self.ack: list[float] = []
+        self.stored = 0
+        self.pulled = 0
+        self.errors = 0
+
+
+async def sampler(url: str, task, stats: Stats, stop: asyncio.Event, k: int) -> None:
+    rng = random.Random(k)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        reply = await http.post(
+            "/v1/samplers",
+            json={"name": f"bench-{k}", "tokenizer": CODEC.fingerprint, "task": task.name},
+            headers={"Authorization": f"Bearer {ENROL}"},
+        )
+        me = reply.json()
+        http.headers["Authorization"] = f"Bearer {me['credential']}"
+        sid = me["sampler_id"]
+        while not stop.is_set():
+            r = await http.post("/v1/jobs/lease", json={"sampler_id": sid, "n": 4, "wait_s": 1})
+            for job in r.json().get("jobs", []):
+                group = {
+                    "job_id": job["job_id"],
+                    "version": 0,
+                    "prompt_ids": job["prompt_ids"],
+                    "completions": [completion(task, job, rng) for _ in range(G)],
+                    "rewards": [0.0] * G,
+                }
+                body = json.dumps({"sampler_id": sid, "group": group})
+                t0 = time.perf_counter()
+                r = await http.post(
+                    "/v1/rollouts", content=body, headers={"Content-Type": "application/json"}
+                )
+                if stop.is_set():
+                    break
+                stats.push.append(time.perf_counter() - t0)
+                if r.status_code == 200 and r.json()["stored"]:
+                    stats.stored += 1
+                else:
+                    stats.errors += 1
+
+
+async def trainer(url: str, stats: Stats, stop: asyncio.Event) -> None:
+    headers = {"Authorization": f"Bearer {TRAINER}"}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            r = await http.post("/v1/batches/pull", json={"n": B, "step": 0, "wait_s": 0.0})
+            stats.pull.append(time.perf_counter() - t0)
+            ids = [g["job_id"] for g in r.json()["groups"]]
+            if not ids:
+                await asyncio.sleep(0.01)
+                continue
+            t0 = time.perf_counter()
+            await http.post("/v1/batches/ack", json={"job_ids": ids, "step": 0})
+            stats.ack.append(time.perf_counter() - t0)
+            stats.pulled += len(ids)
+
+
+def p(xs: list[float], q: int) -> float:
+    if len(xs) < 2:
+        return xs[0] * 1000 if xs else float("nan")
+    return statistics.quantiles(xs, n=100)[q - 1] * 1000
+
+
+async def measure(url: str, task, n: int, seconds: float) -> dict:
+    stats, stop = Stats(), asyncio.Event()
+    tasks = [asyncio.create_task(sampler(url, task, stats, stop, k)) for k in range(n)]
+    tasks.append(asyncio.create_task(trainer(url, stats, stop)))
+    await asyncio.sleep(1.0)  # warm-up: registrations, first leases
+    stats.__init__()
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TRAINER}"}) as h:
+        before = (await h.get("/v1/status")).json()
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        wall = time.perf_counter() - t0
+        after = (await h.get("/v1/status")).json()
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    def scored(st):
+        return sum(v for k, v in st["rollouts"].items() if k != "scoring")
+
+    return {
+        "task": task.name,
+        "samplers": n,
+        "stored_per_s": stats.stored / wall,
+        "scored_per_s": (scored(after) - scored(before)) / wall,
+        "pulled_per_s": stats.pulled / wall,
+        "push_p50_ms": p(stats.push, 50),
+        "push_p99_ms": p(stats.push, 99),
+        "pull_p99_ms": p(stats.pull, 99),
+        "ack_p99_ms": p(stats.ack, 99),
+        "verifier_busy": after["verifier_busy"],
+        "refused": stats.errors,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samplers", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--tasks", nargs="+", default=["add", "math_word"])
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="verify.workers")
+    ap.add_argument("--out", default="bench/results/broker.json")
+    args = ap.parse_args()
+    rows = []
+    for name in args.tasks:
+        task = get_task(name)
+        for n in args.samplers:
+            with tempfile.TemporaryDirectory() as data:
+                port = free_port()
+                proc = start_broker(data, port, name, args.workers)
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    with httpx.Client(base_url=url) as h:
+                        body = b"weights"
+                        import hashlib
+
+                        sha = hashlib.sha256(body).hexdigest()
+                        h.put("/v1/weights/0", content=body, headers={"Authorization": f"Bearer {TRAINER}", "X-Sha256": sha})
+                    rows.append(asyncio.run(measure(url, task, n, args.seconds)))
+                    print(rows[-1], flush=True)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+    table = Table(title=f"broker ingest ({os.cpu_count()} cores, G = {G}, one group per push)")
+    cols = list(rows[0])
+    for c in cols:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()])
+    Console().print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cores": os.cpu_count(), "G": G, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
