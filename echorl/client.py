@@ -30,6 +30,8 @@ import httpx
 from echorl.protocol import (
     AckReply,
     AckRequest,
+    AuditReply,
+    AuditReport,
     HeartbeatReply,
     HeartbeatRequest,
     LeaseReply,
@@ -317,6 +319,11 @@ class BrokerClient:
         return self._post(
             "/v1/trainer/rewind", RewindRequest(step=step, consumed=consumed), RewindReply
         )
+
+    def audit(self, report: AuditReport) -> dict[str, str]:
+        """Report the trainer's log-prob check of consumed groups; returns the samplers it
+        quarantined (id -> why)."""
+        return self._post("/v1/trainer/audit", report, AuditReply).quarantined
 
     def ack(self, job_ids: list[int], step: int) -> int:
         return self._post(

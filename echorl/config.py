@@ -286,6 +286,31 @@ class VerifyConfig(_Section):
     )
 
 
+class QuarantineConfig(_Section):
+    """The trainer audits every consumed group: its own log-probs of the tokens (the
+    proximal policy) against the sampler's behaviour log-probs. A sampler whose tokens
+    disagree far beyond what honest samplers show (fake log-probs, other weights, made-up
+    completions) is quarantined: no more leases, its unconsumed groups dropped.
+    Defaults from measurement (README: Trust)."""
+
+    enabled: bool = Field(True, description="audit consumed groups and quarantine on the bounds")
+    tolerance: float = Field(
+        2.0, gt=0.0, le=100.0, description="|trainer - sampler| log-prob counted as far off"
+    )
+    max_mean_abs: float = Field(
+        0.5, gt=0.0, le=100.0, description="bound on a sampler's mean |trainer - sampler|"
+    )
+    max_beyond: float = Field(
+        0.1, gt=0.0, le=1.0, description="bound on the fraction of its tokens far off"
+    )
+    min_tokens: int = Field(
+        256, ge=1, le=10**9, description="audited tokens before a sampler can be quarantined"
+    )
+    decay: float = Field(
+        0.9, ge=0.0, le=1.0, description="weight of a sampler's past audit per new report"
+    )
+
+
 class SamplerConfig(_Section):
     """A sampler process (`echorl sampler`, or each one `echorl run` starts)."""
 
@@ -344,6 +369,7 @@ class RunConfig(_Section):
     sft: SFTConfig = SFTConfig()
     broker: BrokerConfig = BrokerConfig()
     verify: VerifyConfig = VerifyConfig()
+    quarantine: QuarantineConfig = QuarantineConfig()
     sampler: SamplerConfig = SamplerConfig()
     launch: LaunchConfig = LaunchConfig()
 

@@ -364,7 +364,13 @@ class SamplerStatus(_Wire):
     last_seen: float
     version_held: int | None
     tokens_per_s: float | None
-    state: Literal["alive", "lost", "left", "revoked"]
+    state: Literal["alive", "lost", "left", "revoked", "quarantined"]
+    reason: str | None = None  # why it was quarantined
+    # The trainer's audit of its consumed tokens (decayed sums, recent reports weigh most):
+    audited_tokens: float = 0.0
+    logprob_mean_abs: float = 0.0  # mean |trainer - sampler| log-prob per token
+    logprob_kl: float = 0.0  # mean (sampler - trainer): an estimate of KL(sampler || trainer)
+    logprob_beyond: float = 0.0  # fraction of tokens beyond the audit tolerance
 
 
 class StatusReply(_Wire):
@@ -465,6 +471,26 @@ class PullReply(_Wire):
 class AckRequest(_Wire):
     job_ids: list[Id] = Field(max_length=65536)
     step: int = Field(ge=0, le=MAX_ID)
+
+
+class GroupAudit(_Wire):
+    """trainer -> broker: its log-probs of a consumed group's model tokens against the
+    sampler's behaviour log-probs (sums over the group's tokens)."""
+
+    job_id: Id
+    tokens: int = Field(ge=0, le=MAX_GROUP_SIZE * MAX_COMPLETION_TOKENS)
+    abs_delta: float = Field(ge=0.0, le=1e12)  # sum of |trainer - sampler|
+    kl: float = Field(ge=-1e12, le=1e12)  # sum of (sampler - trainer)
+    beyond: int = Field(ge=0, le=MAX_GROUP_SIZE * MAX_COMPLETION_TOKENS)  # |delta| > tolerance
+
+
+class AuditReport(_Wire):
+    step: Id
+    groups: list[GroupAudit] = Field(max_length=65536)
+
+
+class AuditReply(_Wire):
+    quarantined: dict[str, str]  # sampler id -> why, for samplers quarantined by this report
 
 
 class RewindRequest(_Wire):

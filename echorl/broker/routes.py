@@ -30,6 +30,8 @@ from echorl.protocol import (
     MAX_ID,
     AckReply,
     AckRequest,
+    AuditReply,
+    AuditReport,
     BadRequest,
     HeartbeatReply,
     HeartbeatRequest,
@@ -233,6 +235,12 @@ async def pull(body: PullRequest, st: BrokerState = State) -> PullReply:
 @router.post("/v1/batches/ack", dependencies=[TRAINER])
 def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
     return AckReply(consumed=st.store.ack(body.job_ids, body.step))
+
+
+@router.post("/v1/trainer/audit", dependencies=[TRAINER])
+def audit(body: AuditReport, st: BrokerState = State) -> AuditReply:
+    """The trainer's log-prob check of consumed groups; may quarantine their samplers."""
+    return AuditReply(quarantined=st.audit(body.groups))
 
 
 @router.post("/v1/trainer/rewind", dependencies=[TRAINER])

@@ -16,13 +16,14 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from echorl.broker.auth import Auth
-from echorl.broker.store import Admission, BrokerStore
+from echorl.broker.store import Admission, BrokerStore, Quarantine
 from echorl.broker.weights import WeightStore
 from echorl.config import ModelConfig, RunConfig
 from echorl.models.tokenizer import RunTokenizer, TokenizerError
 from echorl.protocol import (
     NotFound,
     ProtocolError,
+    GroupAudit,
     RunInfo,
     ScoredGroup,
     Unprocessable,
@@ -93,6 +94,11 @@ class Metrics:
             "stored groups the verifier refused (not what the task produces); jobs re-queued",
             registry=self.registry,
         )
+        self.quarantined = Counter(
+            "broker_samplers_quarantined",
+            "samplers quarantined by the trainer's log-prob audit",
+            registry=self.registry,
+        )
         self.verifier_busy = Gauge(
             "broker_verifier_utilisation",
             "fraction of the verifier workers' time spent scoring",
@@ -136,6 +142,18 @@ class BrokerState:
             self.groups_bell.ring()
         if refused:
             self.jobs_bell.ring()
+
+    def audit(self, groups: list[GroupAudit]) -> dict[str, str]:
+        """The trainer's log-prob audit: samplers over the bounds are quarantined (id -> why)."""
+        q = self.cfg.quarantine
+        if not q.enabled:
+            return {}
+        policy = Quarantine(q.min_tokens, q.max_mean_abs, q.max_beyond, q.decay)
+        quarantined = dict(self.store.audit(groups, policy))
+        self.metrics.quarantined.inc(len(quarantined))
+        if quarantined:
+            self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again
+        return quarantined
 
     def check_size(self, group: ScoredGroup) -> None:
         """No completion longer than the run lets a sampler generate (Unprocessable): the

@@ -38,6 +38,8 @@ from pathlib import Path
 
 from echorl.protocol import (
     MAX_PROMPT_TOKENS,
+    Forbidden,
+    GroupAudit,
     Job,
     JobState,
     NotFound,
@@ -58,7 +60,10 @@ CREATE TABLE IF NOT EXISTS samplers (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, hardware TEXT NOT NULL, backend TEXT NOT NULL,
     max_batch INTEGER NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
     version_held INTEGER, tokens_per_s REAL, secret TEXT NOT NULL, barred_until REAL NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('alive', 'lost', 'left', 'revoked')));
+    audit_tokens REAL NOT NULL DEFAULT 0, audit_abs REAL NOT NULL DEFAULT 0,
+    audit_kl REAL NOT NULL DEFAULT 0, audit_beyond REAL NOT NULL DEFAULT 0, reason TEXT,
+    state TEXT NOT NULL
+        CHECK (state IN ('alive', 'lost', 'left', 'revoked', 'quarantined')));
 CREATE TABLE IF NOT EXISTS jobs (
     job_id INTEGER PRIMARY KEY, task TEXT NOT NULL, seed INTEGER NOT NULL, prompt TEXT NOT NULL,
     prompt_ids TEXT NOT NULL, group_size INTEGER NOT NULL, required_version INTEGER,
@@ -72,6 +77,37 @@ CREATE TABLE IF NOT EXISTS rollouts (
     pull_deadline REAL, pull_request TEXT, consumed_step INTEGER);
 CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
 """
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """When the trainer's log-probs of a sampler's tokens disagree with the sampler's own
+    beyond what honest samplers show (README: Trust, for the measurements)."""
+
+    min_tokens: float  # audited tokens (decayed) before any verdict
+    max_mean_abs: float  # mean |trainer - sampler| per token
+    max_beyond: float  # fraction of tokens with |trainer - sampler| > the audit tolerance
+    decay: float
+
+    def verdict(self, tokens: float, abs_sum: float, beyond: float) -> str | None:
+        if tokens < self.min_tokens:
+            return None
+        if abs_sum / tokens > self.max_mean_abs:
+            return (
+                f"its log-probs differ from the trainer's by {abs_sum / tokens:.3f} per token "
+                f"on average (bound {self.max_mean_abs})"
+            )
+        if beyond / tokens > self.max_beyond:
+            return (
+                f"{beyond / tokens:.1%} of its tokens' log-probs are far from the trainer's "
+                f"(bound {self.max_beyond:.1%})"
+            )
+        return None
+
+
+def _quarantined(c, sampler_id: str) -> Forbidden:
+    row = c.execute("SELECT reason FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
+    return Forbidden(f"sampler {sampler_id} is quarantined: {row[0] if row else '?'}")
 
 
 def _with_rewards(body: str, rewards: str, sampler_id: str) -> ScoredGroup:
@@ -175,7 +211,8 @@ class BrokerStore:
                     "try again later"
                 )
             c.execute(
-                "INSERT INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 'alive')",
+                "INSERT INTO samplers VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 0, 0, 0, 0, NULL, 'alive')",
                 (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now, secret),
             )
 
@@ -210,6 +247,8 @@ class BrokerStore:
                 raise NotFound(f"unknown sampler {sampler_id!r}; register first")
             if row[0] in ("left", "revoked"):
                 raise ProtocolError(f"sampler {sampler_id!r} has {row[0]}; register again")
+            if row[0] == "quarantined":
+                raise _quarantined(c, sampler_id)
             c.execute(
                 "UPDATE samplers SET last_seen = ?, state = 'alive', "
                 "version_held = COALESCE(?, version_held), tokens_per_s = COALESCE(?, tokens_per_s) "
@@ -279,7 +318,7 @@ class BrokerStore:
         columns = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
         columns |= {r[1] for r in self.db.execute("PRAGMA table_info(rollouts)")}
         columns |= {r[1] for r in self.db.execute("PRAGMA table_info(samplers)")}
-        if not {"prompt_ids", "rewards", "secret", "barred_until"} <= columns:
+        if not {"prompt_ids", "rewards", "secret", "barred_until", "audit_kl"} <= columns:
             raise ValueError(
                 "this data dir was written by an older echorl (no prompt ids, or no scoring): "
                 "start the broker on a fresh data dir"
@@ -339,6 +378,8 @@ class BrokerStore:
             row = c.execute(
                 "SELECT state, barred_until FROM samplers WHERE id = ?", (sampler_id,)
             ).fetchone()
+            if row is not None and row[0] == "quarantined":
+                raise _quarantined(c, sampler_id)
             if row is None or row[0] != "alive":
                 raise ProtocolError(f"sampler {sampler_id!r} is not registered and alive")
             if row[1] > now:  # its last lease ran out unpushed: it waits one lease period
@@ -471,6 +512,9 @@ class BrokerStore:
         if row is None:
             raise NotFound(f"unknown job {group.job_id}")
         state, owner, group_size, required, prompt_ids, seed = row
+        who = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
+        if who is not None and who[0] == "quarantined":
+            raise _quarantined(c, sampler_id)
         if c.execute("SELECT 1 FROM rollouts WHERE job_id = ?", (group.job_id,)).fetchone():
             return None
         if state != "leased" or owner != sampler_id:
@@ -648,9 +692,82 @@ class BrokerStore:
             "version_held",
             "tokens_per_s",
             "state",
+            "reason",
+            "audit_tokens",
+            "audit_abs / MAX(audit_tokens, 1)",
+            "audit_kl / MAX(audit_tokens, 1)",
+            "audit_beyond / MAX(audit_tokens, 1)",
         )
+        names = (*cols[:-4], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
         rows = self._tx(lambda c: c.execute(f"SELECT {', '.join(cols)} FROM samplers").fetchall())
-        return [dict(zip(cols, r)) for r in rows]
+        return [dict(zip(names, r)) for r in rows]
+
+    def audit(self, audits: list[GroupAudit], policy: Quarantine) -> list[tuple[str, str]]:
+        """The trainer's check of consumed groups: its own log-probs of their tokens against
+        the sampler's. Each sampler's sums decay by `policy.decay` per report it appears in
+        (recent behaviour counts most) and take this report's. A sampler over the policy's
+        bounds is quarantined: it leases and pushes nothing more (403 with the reason), its
+        leases and unconsumed groups go back to the queue. Returns (sampler id, reason) of
+        each sampler quarantined now."""
+
+        def fn(c):
+            per: dict[str, list[float]] = {}
+            for a in audits:
+                row = c.execute(
+                    "SELECT sampler_id FROM rollouts WHERE job_id = ?", (a.job_id,)
+                ).fetchone()
+                if row is not None:
+                    acc = per.setdefault(row[0], [0.0, 0.0, 0.0, 0.0])
+                    for i, v in enumerate((a.tokens, a.abs_delta, a.kl, a.beyond)):
+                        acc[i] += v
+            quarantined = []
+            for sid, (tokens, abs_, kl, beyond) in per.items():
+                d = policy.decay
+                c.execute(
+                    "UPDATE samplers SET audit_tokens = audit_tokens * ? + ?, "
+                    "audit_abs = audit_abs * ? + ?, audit_kl = audit_kl * ? + ?, "
+                    "audit_beyond = audit_beyond * ? + ? WHERE id = ?",
+                    (d, tokens, d, abs_, d, kl, d, beyond, sid),
+                )
+                state, n, a, b = c.execute(
+                    "SELECT state, audit_tokens, audit_abs, audit_beyond FROM samplers "
+                    "WHERE id = ?",
+                    (sid,),
+                ).fetchone()
+                reason = policy.verdict(n, a, b)
+                if reason and state not in ("quarantined", "revoked"):
+                    self._quarantine(c, sid, reason)
+                    quarantined.append((sid, reason))
+            return quarantined
+
+        return self._tx(fn)
+
+    @staticmethod
+    def _quarantine(c, sampler_id: str, reason: str) -> None:
+        c.execute(
+            "UPDATE samplers SET state = 'quarantined', reason = ? WHERE id = ?",
+            (reason, sampler_id),
+        )
+        c.execute(
+            "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
+            "WHERE state = 'leased' AND lease_owner = ?",
+            (sampler_id,),
+        )
+        dropped = [
+            (r[0],)
+            for r in c.execute(
+                "SELECT job_id FROM rollouts WHERE sampler_id = ? AND state IN ('scoring', 'ready')",
+                (sampler_id,),
+            )
+        ]
+        c.executemany("DELETE FROM rollouts WHERE job_id = ?", dropped)
+        c.executemany(
+            "UPDATE jobs SET state = 'queued', lease_owner = NULL WHERE job_id = ?", dropped
+        )
+        log.warning(
+            "sampler %s quarantined (%s); %d unconsumed groups dropped", sampler_id, reason,
+            len(dropped),
+        )
 
     def rewind(self, step: int, consumed: set[int], keep_version: int) -> dict[str, int]:
         """The trainer resumed from its checkpoint after `step` steps, having consumed exactly

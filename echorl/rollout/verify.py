@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +128,7 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
     """A worker: load the task, say ready, then score batches until told to stop. `clock` is
     (the start of the call in progress, or 0; its position) for the parent to watch."""
     from echorl.rollout.scoring import score_completion
-    from echorl.tasks import get_task
+    from echorl.tasks import get_task, is_environment
 
     _die_with_parent()
     os.nice(10)  # below the server that feeds it: a spinning verifier takes only idle CPU
@@ -137,6 +137,11 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
     except Exception as e:  # the user's module: its error is the reason
         conn.send(f"{type(e).__name__}: {e}")
         return
+    try:  # a first call imports what the verifier needs (math-verify: sympy): untimed
+        if not is_environment(task):
+            task.score(task.problem(0), "0")
+    except Exception:
+        pass
     _limit_memory(spec.memory_mb)
     conn.send("ready")
     while True:
@@ -279,18 +284,20 @@ class VerifierPool:
         self.t0 = time.monotonic()
         self._lock = threading.Lock()
         self.workers = [_Worker(ctx, spec) for _ in range(workers)]
-        if wait:
-            with ThreadPoolExecutor(workers) as starting:  # ~1 s each: in parallel
-                errors = [f.exception() for f in [starting.submit(w.start) for w in self.workers]]
-            if any(errors):
-                self.close()
-                raise next(e for e in errors if e)
+        # Each worker is started (and restarted) by its own feeder thread, which lives as long
+        # as the pool: the kernel kills a worker when the thread that started it ends.
+        started = [Future() for _ in self.workers]
         self.threads = [
-            threading.Thread(target=self._feed, args=(w,), daemon=True, name="verify-feed")
-            for w in self.workers
+            threading.Thread(target=self._feed, args=(w, f), daemon=True, name="verify-feed")
+            for w, f in zip(self.workers, started)
         ]
         for t in self.threads:
             t.start()
+        if wait:
+            errors = [f.result() for f in started]  # ~1 s each, in parallel
+            if any(errors):
+                self.close()
+                raise next(e for e in errors if e)
 
     def submit(
         self,
@@ -323,12 +330,13 @@ class VerifierPool:
         """Fraction of the workers' time spent scoring since the pool started."""
         return self.busy_s / max(1e-9, (time.monotonic() - self.t0) * len(self.workers))
 
-    def _feed(self, worker: _Worker) -> None:
-        if worker.proc is None:
-            try:
-                worker.start()
-            except Exception as e:  # retried with the first batch; counted as crashes
-                log.error("verifier worker for %r cannot start: %s", self.spec.task, e)
+    def _feed(self, worker: _Worker, started: Future) -> None:
+        try:
+            worker.start()
+            started.set_result(None)
+        except Exception as e:  # retried with the first batch; counted as crashes
+            log.error("verifier worker for %r cannot start: %s", self.spec.task, e)
+            started.set_result(e)
         while (first := self.queue.get()) is not None:
             items = [first]
             while len(items) < BATCH:

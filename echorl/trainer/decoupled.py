@@ -33,10 +33,11 @@ from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_run, read_metrics
 from echorl.models import load_policy
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import ScoredGroup, TrainerHello
+from echorl.protocol import AuditReport, ScoredGroup, TrainerHello
 from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
+from echorl.trainer.audit import audit_groups
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
@@ -236,6 +237,7 @@ class DecoupledTrainer:
                 collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
             )
         t0 = time.perf_counter()
+        audit = self.audit(groups, step)  # before the update: the proximal policy's view
         metrics = update_policy(
             self.model,
             self.tokenizer.pad_token_id,
@@ -247,6 +249,7 @@ class DecoupledTrainer:
             self.ref_model,
         )
         train_s = time.perf_counter() - t0
+        metrics |= audit
         if metrics.get("optim/nonfinite_skipped"):
             self.console.print(
                 f"[yellow]step {step}: {metrics['optim/nonfinite_skipped']:.0f} minibatches had a "
@@ -270,6 +273,27 @@ class DecoupledTrainer:
             "trainer/step_s": train_s,
             "perf/publish_s": self.publisher.last_s,  # the last upload that finished
             **self.swarm(),
+        }
+
+    def audit(self, groups: list[ScoredGroup], step: int) -> dict[str, float]:
+        """Check the samplers' log-probs against this policy's and report it to the broker,
+        which quarantines a sampler far off (README: Trust). Returns the batch's figures."""
+        q = self.cfg.quarantine
+        if not q.enabled:
+            return {}
+        audits = audit_groups(
+            self.model, groups, self.tokenizer.pad_token_id, self.cfg.sampling.temperature,
+            q.tolerance,
+        )
+        quarantined = self.client.audit(AuditReport(step=step, groups=audits))
+        for sid, why in quarantined.items():
+            self.console.print(f"[yellow]sampler {sid} quarantined: {why}")
+        tokens = max(1, sum(a.tokens for a in audits))
+        return {
+            "audit/logprob_mean_abs": sum(a.abs_delta for a in audits) / tokens,
+            "audit/logprob_kl": sum(a.kl for a in audits) / tokens,
+            "audit/logprob_beyond": sum(a.beyond for a in audits) / tokens,
+            "audit/quarantined": float(len(quarantined)),
         }
 
     def swarm(self, every: int = 10) -> dict[str, float]:
