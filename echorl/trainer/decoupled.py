@@ -33,11 +33,11 @@ from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_run, read_metrics
 from echorl.models import load_policy
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import AuditReport, ScoredGroup, TrainerHello
+from echorl.protocol import AuditReport, GroupAudit, ScoredGroup, TrainerHello
 from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
-from echorl.trainer.audit import audit_groups
+from echorl.trainer.audit import audit_batch
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
@@ -237,7 +237,8 @@ class DecoupledTrainer:
                 collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
             )
         t0 = time.perf_counter()
-        audit = self.audit(groups, step)  # before the update: the proximal policy's view
+        audits: list[GroupAudit] = []
+        tolerance = cfg.quarantine.tolerance
         metrics = update_policy(
             self.model,
             self.tokenizer.pad_token_id,
@@ -247,9 +248,10 @@ class DecoupledTrainer:
             cfg,
             step,
             self.ref_model,
+            audit=lambda gs, batch, logp: audits.extend(audit_batch(gs, batch, logp, tolerance)),
         )
         train_s = time.perf_counter() - t0
-        metrics |= audit
+        metrics |= self.report(audits, step)
         if metrics.get("optim/nonfinite_skipped"):
             self.console.print(
                 f"[yellow]step {step}: {metrics['optim/nonfinite_skipped']:.0f} minibatches had a "
@@ -275,16 +277,11 @@ class DecoupledTrainer:
             **self.swarm(),
         }
 
-    def audit(self, groups: list[ScoredGroup], step: int) -> dict[str, float]:
-        """Check the samplers' log-probs against this policy's and report it to the broker,
-        which quarantines a sampler far off (README: Trust). Returns the batch's figures."""
-        q = self.cfg.quarantine
-        if not q.enabled:
+    def report(self, audits: list[GroupAudit], step: int) -> dict[str, float]:
+        """Send the samplers' log-prob audit (the groups trained on) to the broker, which
+        quarantines a sampler far off (README: Trust). Returns the batch's figures."""
+        if not self.cfg.quarantine.enabled or not audits:
             return {}
-        audits = audit_groups(
-            self.model, groups, self.tokenizer.pad_token_id, self.cfg.sampling.temperature,
-            q.tolerance,
-        )
         quarantined = self.client.audit(AuditReport(step=step, groups=audits))
         for sid, why in quarantined.items():
             self.console.print(f"[yellow]sampler {sid} quarantined: {why}")

@@ -9,6 +9,7 @@ and the decoupled trainer; it knows nothing of where the groups came from.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -49,8 +50,11 @@ def train_on_batch(
     cfg: RunConfig,
     ref_model: PreTrainedModel | None = None,
     seed: int = 0,
+    audit: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
-    """PPO epochs over `batch`; returns metrics averaged over the optimiser steps."""
+    """PPO epochs over `batch`; returns metrics averaged over the optimiser steps.
+    `audit` is given this policy's log-probs of the batch before any update (the proximal
+    pass when there is one, else a forward pass of its own)."""
     temperature = cfg.sampling.temperature or 1.0
     with torch.no_grad():
         # Without a proximal policy the behaviour log-probs are the old policy: ratio to the
@@ -60,6 +64,8 @@ def train_on_batch(
             if cfg.loss.proximal
             else batch.behaviour_logp
         )
+        if audit is not None:
+            audit(old_logp if cfg.loss.proximal else token_logprobs(model, batch, temperature)[0])
         ref_logp = (
             token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
         )
@@ -120,11 +126,14 @@ def update_policy(
     cfg: RunConfig,
     step: int,
     ref_model: PreTrainedModel | None = None,
+    audit: Callable[[list[ScoredGroup], Batch, torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
     """The trainer's step on scored groups, shared by the co-located and the decoupled loop.
 
     Flat groups (all rewards equal) are left out when `train.drop_flat_groups`; a step with
-    nothing left makes no optimiser step and reports `optim/skipped = 1`."""
+    nothing left makes no optimiser step and reports `optim/skipped = 1`. `audit(groups,
+    batch, logp)` sees the groups trained on with this policy's log-probs of them before
+    the update (the decoupled trainer checks the samplers' with it)."""
     informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
     if not informative:
         return {"optim/skipped": 1.0}
@@ -137,5 +146,6 @@ def update_policy(
         cfg,
         ref_model,
         seed=derive_seed(cfg.train.seed, "shuffle", step),
+        audit=None if audit is None else lambda logp: audit(informative, batch, logp),
     )
     return metrics | {"optim/skipped": 0.0}
