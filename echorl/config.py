@@ -300,11 +300,19 @@ class QuarantineConfig(_Section):
     max_mean_abs: float = Field(
         0.5, gt=0.0, le=100.0, description="bound on a sampler's mean |trainer - sampler|"
     )
+    max_kl: float = Field(
+        0.05,
+        gt=0.0,
+        le=100.0,
+        description="bound on a sampler's |mean (sampler - trainer)| log-prob, its estimate of "
+        "KL(sampler || trainer): ~0 for an honest one; claims of confidence it never had "
+        "(made-up completions) push it up, made-up log-probs either way",
+    )
     max_beyond: float = Field(
         0.1, gt=0.0, le=1.0, description="bound on the fraction of its tokens far off"
     )
     min_tokens: int = Field(
-        256, ge=1, le=10**9, description="audited tokens before a sampler can be quarantined"
+        128, ge=1, le=10**9, description="audited tokens before a sampler can be quarantined"
     )
     decay: float = Field(
         0.9, ge=0.0, le=1.0, description="weight of a sampler's past audit per new report"

@@ -367,7 +367,7 @@ class SamplerStatus(_Wire):
     state: Literal["alive", "lost", "left", "revoked", "quarantined"]
     reason: str | None = None  # why it was quarantined
     # The trainer's audit of its consumed tokens (decayed sums, recent reports weigh most):
-    audited_tokens: float = 0.0
+    audited_tokens: int = 0
     logprob_mean_abs: float = 0.0  # mean |trainer - sampler| log-prob per token
     logprob_kl: float = 0.0  # mean (sampler - trainer): an estimate of KL(sampler || trainer)
     logprob_beyond: float = 0.0  # fraction of tokens beyond the audit tolerance

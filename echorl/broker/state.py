@@ -148,7 +148,7 @@ class BrokerState:
         q = self.cfg.quarantine
         if not q.enabled:
             return {}
-        policy = Quarantine(q.min_tokens, q.max_mean_abs, q.max_beyond, q.decay)
+        policy = Quarantine(q.min_tokens, q.max_mean_abs, q.max_kl, q.max_beyond, q.decay)
         quarantined = dict(self.store.audit(groups, policy))
         self.metrics.quarantined.inc(len(quarantined))
         if quarantined:

@@ -60,7 +60,8 @@ CREATE TABLE IF NOT EXISTS samplers (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, hardware TEXT NOT NULL, backend TEXT NOT NULL,
     max_batch INTEGER NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
     version_held INTEGER, tokens_per_s REAL, secret TEXT NOT NULL, barred_until REAL NOT NULL,
-    audit_tokens REAL NOT NULL DEFAULT 0, audit_abs REAL NOT NULL DEFAULT 0,
+    audit_total INTEGER NOT NULL DEFAULT 0, audit_tokens REAL NOT NULL DEFAULT 0,
+    audit_abs REAL NOT NULL DEFAULT 0,
     audit_kl REAL NOT NULL DEFAULT 0, audit_beyond REAL NOT NULL DEFAULT 0, reason TEXT,
     state TEXT NOT NULL
         CHECK (state IN ('alive', 'lost', 'left', 'revoked', 'quarantined')));
@@ -84,14 +85,25 @@ class Quarantine:
     """When the trainer's log-probs of a sampler's tokens disagree with the sampler's own
     beyond what honest samplers show (README: Trust, for the measurements)."""
 
-    min_tokens: float  # audited tokens (decayed) before any verdict
+    min_tokens: int  # audited tokens (all of them) before any verdict
     max_mean_abs: float  # mean |trainer - sampler| per token
+    max_kl: float  # |mean (sampler - trainer)|: an honest sampler's estimate of KL >= 0 is ~0
     max_beyond: float  # fraction of tokens with |trainer - sampler| > the audit tolerance
     decay: float
 
-    def verdict(self, tokens: float, abs_sum: float, beyond: float) -> str | None:
-        if tokens < self.min_tokens:
+    def verdict(
+        self, total: int, tokens: float, abs_sum: float, kl: float, beyond: float
+    ) -> str | None:
+        """Why a sampler is quarantined (None: it is not), from its audited token count and
+        its decayed sums."""
+        if total < self.min_tokens or tokens <= 0:
             return None
+        if abs(kl / tokens) > self.max_kl:
+            side = "higher" if kl > 0 else "lower"
+            return (
+                f"its log-probs are {abs(kl / tokens):.3f} per token {side} than the trainer's "
+                f"on average (bound {self.max_kl})"
+            )
         if abs_sum / tokens > self.max_mean_abs:
             return (
                 f"its log-probs differ from the trainer's by {abs_sum / tokens:.3f} per token "
@@ -212,7 +224,7 @@ class BrokerStore:
                 )
             c.execute(
                 "INSERT INTO samplers VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 0, 0, 0, 0, NULL, 'alive')",
+                "(?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 0, 0, 0, 0, 0, NULL, 'alive')",
                 (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now, secret),
             )
 
@@ -318,7 +330,7 @@ class BrokerStore:
         columns = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
         columns |= {r[1] for r in self.db.execute("PRAGMA table_info(rollouts)")}
         columns |= {r[1] for r in self.db.execute("PRAGMA table_info(samplers)")}
-        if not {"prompt_ids", "rewards", "secret", "barred_until", "audit_kl"} <= columns:
+        if not {"prompt_ids", "rewards", "secret", "barred_until", "audit_total"} <= columns:
             raise ValueError(
                 "this data dir was written by an older echorl (no prompt ids, or no scoring): "
                 "start the broker on a fresh data dir"
@@ -693,7 +705,7 @@ class BrokerStore:
             "tokens_per_s",
             "state",
             "reason",
-            "audit_tokens",
+            "audit_total",
             "audit_abs / MAX(audit_tokens, 1)",
             "audit_kl / MAX(audit_tokens, 1)",
             "audit_beyond / MAX(audit_tokens, 1)",
@@ -724,17 +736,18 @@ class BrokerStore:
             for sid, (tokens, abs_, kl, beyond) in per.items():
                 d = policy.decay
                 c.execute(
-                    "UPDATE samplers SET audit_tokens = audit_tokens * ? + ?, "
+                    "UPDATE samplers SET audit_total = audit_total + ?, "
+                    "audit_tokens = audit_tokens * ? + ?, "
                     "audit_abs = audit_abs * ? + ?, audit_kl = audit_kl * ? + ?, "
                     "audit_beyond = audit_beyond * ? + ? WHERE id = ?",
-                    (d, tokens, d, abs_, d, kl, d, beyond, sid),
+                    (tokens, d, tokens, d, abs_, d, kl, d, beyond, sid),
                 )
-                state, n, a, b = c.execute(
-                    "SELECT state, audit_tokens, audit_abs, audit_beyond FROM samplers "
-                    "WHERE id = ?",
+                state, total, *sums = c.execute(
+                    "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, "
+                    "audit_beyond FROM samplers WHERE id = ?",
                     (sid,),
                 ).fetchone()
-                reason = policy.verdict(n, a, b)
+                reason = policy.verdict(total, *sums)
                 if reason and state not in ("quarantined", "revoked"):
                     self._quarantine(c, sid, reason)
                     quarantined.append((sid, reason))

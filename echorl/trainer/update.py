@@ -134,7 +134,14 @@ def update_policy(
     nothing left makes no optimiser step and reports `optim/skipped = 1`. `audit(groups,
     batch, logp)` sees the groups trained on with this policy's log-probs of them before
     the update (the decoupled trainer checks the samplers' with it)."""
-    informative = [g for g in groups if not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1]
+    keep = [not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1 for g in groups]
+    informative = [g for g, k in zip(groups, keep) if k]
+    flat = [g for g, k in zip(groups, keep) if not k]
+    if audit is not None and flat:  # not trained on, but audited all the same
+        with torch.no_grad():
+            flat_batch = groups_to_batch(flat, pad_id, cfg)
+            logp = token_logprobs(model, flat_batch, cfg.sampling.temperature or 1.0)[0]
+            audit(flat, flat_batch, logp)
     if not informative:
         return {"optim/skipped": 1.0}
     batch = groups_to_batch(informative, pad_id, cfg)

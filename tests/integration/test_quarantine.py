@@ -1,0 +1,114 @@
+"""Dishonest samplers among honest ones, as real processes: one reports made-up log-probs,
+one samples from perturbed weights, one sends right answers it never sampled. The trainer's
+audit (its own log-probs of every token trained on, against the sampler's) gets each of them
+quarantined within a few steps; the honest samplers, one of them generating in bfloat16,
+never are; and the run still learns."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import (
+    SAMPLER,
+    free_port,
+    query,
+    read_jsonl,
+    start_broker,
+    start_trainer,
+    stop_broker,
+)
+
+pytestmark = pytest.mark.integration
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "dishonest_sampler.py"
+HONEST, DISHONEST = ("honest", "bf16"), ("fake", "perturbed", "fabricate")
+RUN = [
+    "-o",
+    "broker.mode=async",
+    "-o",
+    "train.batch_prompts=10",
+    "-o",
+    "train.group_size=4",
+    "-o",
+    "train.eval_prompts=50",
+    "-o",
+    "broker.max_leased_per_sampler=4",  # every sampler gets a share of each batch
+]
+# Stated bound: each dishonest sampler is quarantined within this many trainer steps of
+# its first group trained on (min_tokens = 256 audited tokens, a share of ~2 groups x 4
+# completions x ~4 tokens per step, decayed).
+WITHIN_STEPS = 15
+
+
+def start(mode, url, model):
+    env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
+    script = [] if mode == "honest" else [str(FIXTURE), mode]
+    cmd = [sys.executable, *(script or ["-m", "echorl.cli"]), "sampler", "--broker", url]
+    cmd += ["--model", str(model), "--name", mode, "--threads", "1", "--jobs-per-lease", "2"]
+    return subprocess.Popen(
+        [*cmd, *RUN], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def run_swarm(tmp_path, model, steps):
+    broker, url = start_broker(tmp_path / "b", free_port(), *RUN)
+    samplers = [start(mode, url, model) for mode in (*HONEST, *DISHONEST)]
+    trainer = start_trainer(url, model, tmp_path / "t", "-o", f"train.steps={steps}", *RUN)
+    try:
+        out = trainer.communicate(timeout=1200)[0]
+        assert trainer.returncode == 0, out
+    finally:
+        for s in samplers:
+            if s.poll() is None:
+                s.terminate()
+        logs = {mode: s.communicate(timeout=60)[0] for mode, s in zip((*HONEST, *DISHONEST), samplers)}
+        stop_broker(broker)
+    states = dict(query(tmp_path / "b", "SELECT name, state FROM samplers"))
+    return states, logs, out, read_jsonl(tmp_path / "t" / "metrics.jsonl")
+
+
+def check(tmp_path, states, logs, out, records):
+    got = {m: states.get(m) for m in DISHONEST}
+    assert got == dict.fromkeys(DISHONEST, "quarantined"), (states, out, logs)
+    assert all(states[m] != "quarantined" for m in HONEST), (states, out)
+    for mode in DISHONEST:  # told why, and it stopped (exit 2)
+        assert "quarantined" in logs[mode], logs[mode][-2000:]
+    # Within the stated number of steps of its first group trained on.
+    first = {}
+    for sid, step in query(
+        tmp_path / "b", "SELECT sampler_id, MIN(consumed_step) FROM rollouts "
+        "WHERE consumed_step IS NOT NULL GROUP BY sampler_id"
+    ):
+        first[sid] = step
+    named = dict(query(tmp_path / "b", "SELECT name, id FROM samplers"))
+    quarantined_at = [r["step"] for r in records if r.get("audit/quarantined")]
+    assert len(quarantined_at) >= 1
+    last_q = max(quarantined_at)
+    for mode in DISHONEST:
+        assert named[mode] not in first or last_q - first[named[mode]] <= WITHIN_STEPS + 1, (
+            mode,
+            first,
+            quarantined_at,
+        )
+    train = [r["reward/mean"] for r in records if "reward/mean" in r]
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return train, evals
+
+
+def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, warm_add):
+    states, logs, out, records = run_swarm(tmp_path, warm_add, steps=40)
+    train, evals = check(tmp_path, states, logs, out, records)
+    # Measured: train reward 0.57 -> 0.76, held-out 0.62 -> 0.84.
+    assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, train
+    assert evals[-1] >= evals[0] + 0.05, evals
+
+
+@pytest.mark.slow
+def test_200_steps_with_dishonest_samplers_still_learn(tmp_path, warm_add):
+    states, logs, out, records = run_swarm(tmp_path, warm_add, steps=200)
+    train, evals = check(tmp_path, states, logs, out, records)
+    assert sum(train[-20:]) / 20 >= sum(train[:20]) / 20 + 0.1, train
+    assert evals[-1] >= evals[0] + 0.1, evals
