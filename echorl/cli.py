@@ -339,7 +339,7 @@ def sampler(
     url = broker_url or cfg.broker.address
     backend = HFBackend(*load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device))
     with (
-        BrokerClient(url, token, retries=10) as client,
+        BrokerClient(url, token, retries=10, cancel=stop) as client,
         tempfile.TemporaryDirectory() as cache,
         run_pool(cfg, backend.codec) as scorer,
     ):

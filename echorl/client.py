@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -83,10 +84,14 @@ class BrokerClient:
         retries: int = 6,
         backoff: float = 0.2,
         max_backoff: float = 10.0,
+        cancel: threading.Event | None = None,
     ):
+        """`cancel`: once set, a failing call is not retried (a process told to stop while
+        the broker is gone exits at once instead of backing off for a minute)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.cancel = cancel or threading.Event()
         self._args = (
             (url, token),
             {
@@ -94,6 +99,7 @@ class BrokerClient:
                 "retries": retries,
                 "backoff": backoff,
                 "max_backoff": max_backoff,
+                "cancel": cancel,
             },
         )
 
@@ -115,9 +121,9 @@ class BrokerClient:
         last: BrokerError | None = None
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(
-                    random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
-                )
+                delay = random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+                if self.cancel.wait(delay):
+                    break
             # A streamed body is a factory, so that every attempt sends it from the start.
             args = kw | {"content": kw["content"]()} if callable(kw.get("content")) else kw
             try:

@@ -356,6 +356,9 @@ class LaunchConfig(_Section):
     warm_up: bool = Field(
         True, description="when model.path is unset: warm the tiny model up (sft) before RL"
     )
+    max_restarts: int = Field(
+        10, ge=0, le=10_000, description="restarts of one role before the run is given up"
+    )
     stall_timeout_s: float = Field(
         300.0,
         ge=5.0,

@@ -7,12 +7,17 @@ The launcher warms the tiny model up (unless `model.path` names a checkpoint),
 writes the resolved config to `OUT/config.yaml`, and starts `echorl broker`,
 `launch.samplers` x `echorl sampler` and `echorl trainer` with that one file,
 exactly as they would be started by hand on separate machines. Each child logs
-to `OUT/logs/ROLE.log`. While the trainer runs, a live table shows step,
-reward, version, staleness, samplers alive and tokens/s; Ctrl-C (or SIGTERM)
-stops every child cleanly (the trainer checkpoints first). A run with no trainer
-record and no new version for `launch.stall_timeout_s` is stopped with a report of
-each process's last complaint: it never sits at step 0. A sampler that dies
-is reported and the run goes on; the broker or trainer dying ends the run.
+to `OUT/logs/ROLE.log` (appended to across restarts). While the trainer runs, a
+live table shows step, reward, version, staleness, samplers alive and tokens/s;
+Ctrl-C (or SIGTERM) stops every child cleanly (the trainer checkpoints first).
+
+The launcher supervises: a child that dies is started again after a backoff (1,
+2, 4 ... 30 s): a sampler as it was, the broker on the same port and data dir
+(its state is durable), the trainer with --resume (its last checkpoint; the
+broker offers again what it trained on since). One that dies
+`launch.max_restarts` times ends the run, and so does a run with no trainer
+record and no new version for `launch.stall_timeout_s`, with a report of each
+process's last complaint: it never sits at step 0. `--resume` keeps the port.
 At the end: `OUT/metrics.jsonl`, the PNG plots, and a summary table.
 
 The launcher only starts, watches and stops processes; it knows nothing of
@@ -43,29 +48,62 @@ from echorl.metrics import MetricsTail, plot_run, read_metrics
 
 
 @dataclass
+class Role:
+    """One child process: how to start it, and how often it was restarted."""
+
+    name: str
+    args: tuple[str, ...]
+    cpus: set[int] | None = None
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    due: float = 0.0  # monotonic time of the next restart, while it is dead
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
 class Swarm:
-    """The child processes of one run, and where they log."""
+    """The child processes of one run, and where they log (appended across restarts)."""
 
     out: Path
     url: str
     env: dict[str, str]
-    broker: subprocess.Popen | None = None
-    trainer: subprocess.Popen | None = None
-    samplers: list[subprocess.Popen] = field(default_factory=list)
-    logs: list = field(default_factory=list)
+    roles: dict[str, Role] = field(default_factory=dict)
+
+    @property
+    def broker(self) -> subprocess.Popen | None:
+        return self.roles["broker"].proc if "broker" in self.roles else None
+
+    @property
+    def trainer(self) -> subprocess.Popen | None:
+        return self.roles["trainer"].proc if "trainer" in self.roles else None
+
+    @property
+    def samplers(self) -> list[subprocess.Popen]:
+        return [r.proc for n, r in self.roles.items() if n.startswith("sampler-") and r.proc]
 
     def spawn(self, name: str, *args: str, cpus: set[int] | None = None) -> subprocess.Popen:
-        """Start `echorl ARGS` logging to logs/NAME.log, on the cores `cpus` (None: any)."""
-        log = (self.out / "logs" / f"{name}.log").open("w")
-        self.logs.append(log)
-        return subprocess.Popen(
-            [sys.executable, "-m", "echorl.cli", *args],
-            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
-        )
+        """Start `echorl ARGS` as role NAME, logging to logs/NAME.log, on the cores `cpus`."""
+        role = self.roles.setdefault(name, Role(name, args, cpus))
+        role.args, role.cpus = args, cpus
+        return self.start(role)
+
+    def start(self, role: Role) -> subprocess.Popen:
+        with (self.out / "logs" / f"{role.name}.log").open("a") as log:
+            if role.restarts:
+                log.write(f"--- echorl run: restart {role.restarts} of {role.name} ---\n")
+                log.flush()
+            role.proc = subprocess.Popen(
+                [sys.executable, "-m", "echorl.cli", *role.args],
+                preexec_fn=None if role.cpus is None else (lambda: os.sched_setaffinity(0, role.cpus)),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children
+            )
+        return role.proc
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the trainer (it checkpoints), then the samplers (they hand back their leases),
@@ -80,8 +118,6 @@ class Swarm:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        for log in self.logs:
-            log.close()
 
 
 def core_split(cfg: RunConfig) -> tuple[set[int], set[int]] | None:
@@ -123,6 +159,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> Non
     raise RuntimeError(f"the broker did not answer {url}/healthz within {timeout:.0f} s")
 
 
+def previous_port(out: Path) -> int:
+    """The port the run at `out` used (a resumed run keeps it, so that samplers started by
+    hand find the broker where it was); 0 if unknown."""
+    try:
+        return int(yaml.safe_load((out / "config.yaml").read_text())["broker"]["port"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return 0
+
+
 def resolved_config(cfg: RunConfig, out: Path, model_dir: Path, port: int) -> Path:
     """The run's one config file, as every child reads it."""
     data = cfg.model_dump(mode="json")
@@ -142,7 +187,7 @@ def launch(
     """Run the swarm until the trainer finishes; returns (exit code, output folder)."""
     out = Path(cfg.train.out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    port = free_port(cfg.broker.port)
+    port = free_port(previous_port(out) if resume else cfg.broker.port)
     config = resolved_config(cfg, out, model_dir, port)
     env = os.environ | {
         "ECHORL_TRAINER_TOKEN": secrets.token_hex(16),
@@ -162,10 +207,10 @@ def launch(
     stop = []
     handler = signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
     try:
-        swarm.broker = swarm.spawn("broker", "broker", "-c", str(config), cpus=other_cores)
+        swarm.spawn("broker", "broker", "-c", str(config), cpus=other_cores)
         wait_healthy(swarm.url, swarm.broker)
         common = ("--broker", swarm.url, "-c", str(config))
-        swarm.samplers = [
+        for k in range(cfg.launch.samplers):
             swarm.spawn(
                 f"sampler-{k}",
                 "sampler",
@@ -178,10 +223,8 @@ def launch(
                 str(out / "samplers" / f"sampler-{k}.jsonl"),
                 cpus=other_cores,
             )
-            for k in range(cfg.launch.samplers)
-        ]
         trainer_args = ("trainer", *common, "-o", f"model.threads={cfg.launch.trainer_threads}")
-        swarm.trainer = swarm.spawn(
+        swarm.spawn(
             "trainer",
             *trainer_args,
             *(["--resume"] if resume else []),
@@ -201,22 +244,21 @@ def launch(
 
 
 def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
-    """Refresh the live view until the trainer exits; returns its exit code."""
-    dead: set[int] = set()
+    """Refresh the live view and supervise the children until the trainer finishes (0).
+    A child that dies is started again after a backoff (the trainer with --resume); one
+    that dies `launch.max_restarts` times, or a run with no progress for
+    `launch.stall_timeout_s`, ends the run with the reason (1)."""
     view = LiveView(swarm, cfg)
     with Live(console=console, refresh_per_second=2) as live:
-        while swarm.trainer.poll() is None:
+        while True:
             if stop:
                 return 143
-            if swarm.broker.poll() is not None:
-                console.print(
-                    f"[red]the broker exited ({swarm.broker.returncode}); see logs/broker.log"
-                )
-                return 1
-            for k, p in enumerate(swarm.samplers):
-                if p.poll() is not None and k not in dead:
-                    dead.add(k)
-                    console.print(f"[yellow]sampler-{k} exited ({p.returncode}); the run goes on")
+            trainer = swarm.roles["trainer"]
+            if not trainer.alive and trainer.proc.returncode == 0 and not trainer.due:
+                break
+            for role in swarm.roles.values():
+                if not role.alive and (code := supervise(swarm, role, cfg, console)) is not None:
+                    return code
             live.update(view.table())
             stalled = time.monotonic() - view.progressed
             if stalled > cfg.launch.stall_timeout_s:
@@ -225,12 +267,37 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
             time.sleep(0.5)
         live.update(view.table())
     console.print()
-    code = swarm.trainer.returncode
-    if code:
+    return 0
+
+
+def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int | None:
+    """A dead child: schedule its restart (backoff 1, 2, 4 ... 30 s), or start it when due.
+    Returns 1 when it has died too often to go on."""
+    now = time.monotonic()
+    if not role.due:
+        code = role.proc.returncode
+        if role.restarts >= cfg.launch.max_restarts:
+            console.print(
+                f"[red]{role.name} exited ({code}) after {role.restarts} restarts; stopping the "
+                f"run (launch.max_restarts). See {swarm.out / 'logs' / role.name}.log"
+            )
+            return 1
+        role.restarts += 1
+        delay = min(30.0, 2.0 ** (role.restarts - 1))
+        role.due = now + delay
         console.print(
-            f"[red]the trainer exited with code {code}; see {swarm.out / 'logs/trainer.log'}"
+            f"[yellow]{role.name} exited ({code}); restarting it in {delay:.0f} s "
+            f"(restart {role.restarts})"
         )
-    return code
+        return None
+    if now >= role.due:
+        role.due = 0.0
+        if role.name == "trainer" and "--resume" not in role.args:
+            role.args = (*role.args, "--resume")  # from its last checkpoint
+        swarm.start(role)
+        if role.name == "broker":
+            wait_healthy(swarm.url, role.proc)
+    return None
 
 
 class LiveView:

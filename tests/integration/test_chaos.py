@@ -1,0 +1,45 @@
+"""Chaos, as `bench/chaos.py` runs it: `echorl run` while the broker, the trainer and each
+sampler are killed with SIGKILL and restarted by the launcher. The books must balance:
+every step trained exactly B groups, none twice, none lost, the run finished."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CHAOS = Path(__file__).parents[2] / "bench" / "chaos.py"
+
+
+def chaos(tmp_path, steps, kills):
+    out, result = tmp_path / "run", tmp_path / "chaos.json"
+    cmd = [sys.executable, str(CHAOS), "--steps", str(steps), "--kills", str(kills)]
+    cmd += ["--out", str(out), "--json", str(result)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    books = json.loads(result.read_text())
+    logs = "".join(p.read_text()[-2000:] for p in sorted((out / "logs").glob("*.log")))
+    assert proc.returncode == 0, proc.stdout + logs
+    return books, out
+
+
+def test_every_role_killed_once_the_books_balance(tmp_path):
+    books, out = chaos(tmp_path, steps=80, kills=1)
+    assert books["kills"] == {"broker": 1, "trainer": 1, "sampler-0": 1, "sampler-1": 1}
+    assert books["steps_done"] == books["steps_with_B_groups"] == 80
+    assert books["groups_trained"] == 80 * books["B"]
+    assert books["trained_twice"] == 0 and books["lost"] == 0
+    # each role's log was appended to across its restart, not overwritten
+    for role in ("broker", "trainer", "sampler-0", "sampler-1"):
+        log = (out / "logs" / f"{role}.log").read_text()
+        assert "echorl run: restart 1" in log, role
+
+
+@pytest.mark.slow
+def test_200_steps_every_role_killed_three_times(tmp_path):
+    books, _ = chaos(tmp_path, steps=200, kills=3)
+    assert sum(books["kills"].values()) == 12
+    assert books["steps_done"] == books["steps_with_B_groups"] == 200
+    assert books["trained_twice"] == 0 and books["lost"] == 0
