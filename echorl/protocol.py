@@ -204,6 +204,8 @@ class Completion(_Wire):
     @field_validator("logprobs")
     @classmethod
     def _logprobs_are_logprobs(cls, lps: list[float]) -> list[float]:
+        if MIN_LOGPROB <= min(lps) and max(lps) <= 0.0 and not math.isnan(sum(lps)):
+            return lps  # the common case, checked in C
         for i, lp in enumerate(lps):
             if not (MIN_LOGPROB <= lp <= 0.0):  # also false for NaN
                 raise ValueError(

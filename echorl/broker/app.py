@@ -41,6 +41,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
         reaper = asyncio.create_task(expire_forever(st))
         yield
         reaper.cancel()
+        st.writer.shutdown()
+        st.trainer_io.shutdown()
         st.verifier.close()
         st.store.close()
 

@@ -96,7 +96,10 @@ def require(*roles: str):
     """A route dependency: the caller holds one of `roles` (the trainer, the admin, always
     passes); the route gets the `Caller`."""
 
-    def check(request: Request, cred: HTTPAuthorizationCredentials | None = Depends(_bearer)):
+    # async: a dependency FastAPI runs on the event loop, not with a hop to a thread
+    async def check(
+        request: Request, cred: HTTPAuthorizationCredentials | None = Depends(_bearer)
+    ) -> Caller:
         caller = request.app.state.broker.auth.identify(cred.credentials if cred else None)
         if caller.role not in roles and caller.role != "trainer":
             raise Forbidden(f"the {caller.role} role may not call this route")

@@ -9,7 +9,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
@@ -55,13 +57,17 @@ class Bell:
         self.event.set()  # wakes everyone waiting now; later waiters wait for the next ring
         self.event = asyncio.Event()
 
-    async def poll(self, wait_s: float, attempt: Callable[[], T]) -> T:
-        """Run `attempt` (blocking, on a worker thread) until it returns something non-empty,
-        trying again after each ring; after `wait_s` without a ring, the last result stands."""
+    async def poll(
+        self, wait_s: float, attempt: Callable[[], T], pool: ThreadPoolExecutor | None = None
+    ) -> T:
+        """Run `attempt` (blocking, on a thread of `pool`, else the default one) until it
+        returns something non-empty, trying again after each ring; after `wait_s` without a
+        ring, the last result stands."""
         deadline = time.monotonic() + wait_s
+        loop = asyncio.get_running_loop()
         while True:
             rung = self.event  # taken before the attempt: a ring during it is not missed
-            result = await asyncio.to_thread(attempt)
+            result = await loop.run_in_executor(pool, attempt)
             left = deadline - time.monotonic()
             if result or left <= 0:
                 return result
@@ -119,6 +125,23 @@ class BrokerState:
     jobs_bell: Bell  # samplers wait for admitted jobs (a new version, a returned lease)
     groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
     verifier: VerifierPool  # the broker's own rewards, off the request path
+    # Store work by who asks: samplers' pushes on one writer thread (no convoy of request
+    # threads on the store's lock), the trainer's pulls and acks on a thread of their own
+    # (sampler traffic never queues in front of them).
+    writer: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="store-writer")
+    )
+    trainer_io: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="trainer-io")
+    )
+
+    async def write(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the writer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
+
+    async def for_trainer(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the trainer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.trainer_io, fn, *args)
 
     def verify_later(self, seed: int, created: float, group: ScoredGroup) -> None:
         """Score a stored group in the verifier pool: the sampler's claims are never trusted.
@@ -161,7 +184,7 @@ class BrokerState:
         `max_turns` turns of `max_action_tokens` (observations are checked by replay)."""
         task = self.task
         for k, c in enumerate(group.completions):
-            if is_environment(task):
+            if self.multi_turn:
                 turns = c.turns or []
                 model = sum(t.end - t.start for t in turns)
                 if len(turns) > task.max_turns or model > task.max_turns * task.max_action_tokens:
@@ -175,7 +198,11 @@ class BrokerState:
                     f"most {limit} (max_new_tokens)"
                 )
 
-    @property
+    @cached_property
+    def multi_turn(self) -> bool:  # is_environment is a slow protocol check: asked once
+        return is_environment(self.task)
+
+    @cached_property
     def max_new_tokens(self) -> int:
         return self.cfg.sampling.max_new_tokens or self.task.max_new_tokens
 

@@ -186,8 +186,8 @@ def reward_pairs(out):
     """(broker rewards, sampler's claims) of every group the run's broker stored."""
     import json
 
-    rows = query(out / "broker", "SELECT rewards, body FROM rollouts WHERE rewards IS NOT NULL")
-    return [(json.loads(rewards), json.loads(body)["rewards"]) for rewards, body in rows]
+    rows = query(out / "broker", "SELECT rewards, claimed FROM rollouts WHERE rewards IS NOT NULL")
+    return [(json.loads(rewards), json.loads(claimed)) for rewards, claimed in rows]
 
 
 def learning(out):

@@ -43,3 +43,31 @@ def test_200_steps_every_role_killed_three_times(tmp_path):
     assert sum(books["kills"].values()) == 12
     assert books["steps_done"] == books["steps_with_B_groups"] == 200
     assert books["trained_twice"] == 0 and books["lost"] == 0
+
+
+def test_a_sampler_told_to_stop_while_the_broker_is_gone_exits(tmp_path):
+    import time
+
+    from echorl.models import save_tiny_model
+    from tests.integration.conftest import (
+        free_port,
+        query,
+        start_broker,
+        start_sampler,
+        wait_until,
+    )
+
+    model = save_tiny_model(tmp_path / "m", "1m", seed=0)
+    broker, url = start_broker(tmp_path / "b", free_port())
+    sampler = start_sampler(url, model, "s")
+    try:
+        alive = "SELECT state FROM samplers"
+        wait_until(lambda: query(tmp_path / "b", alive) == [("alive",)], what="registered")
+    finally:
+        broker.kill()
+        broker.wait()
+    time.sleep(3)  # the sampler is retrying with backoff now
+    sampler.terminate()
+    out = sampler.communicate(timeout=15)[0]  # seconds, not a minute of retries
+    assert sampler.returncode == 0, out
+    assert "stopped after" in out
