@@ -201,7 +201,11 @@ def main() -> None:
                         import hashlib
 
                         sha = hashlib.sha256(body).hexdigest()
-                        h.put("/v1/weights/0", content=body, headers={"Authorization": f"Bearer {TRAINER}", "X-Sha256": sha})
+                        h.put(
+                            "/v1/weights/0",
+                            content=body,
+                            headers={"Authorization": f"Bearer {TRAINER}", "X-Sha256": sha},
+                        )
                     rows.append(asyncio.run(measure(url, task, n, args.seconds)))
                     print(rows[-1], flush=True)
                 finally:

@@ -204,7 +204,7 @@ class Completion(_Wire):
     @field_validator("logprobs")
     @classmethod
     def _logprobs_are_logprobs(cls, lps: list[float]) -> list[float]:
-        if MIN_LOGPROB <= min(lps) and max(lps) <= 0.0 and not math.isnan(sum(lps)):
+        if min(lps) >= MIN_LOGPROB and max(lps) <= 0.0 and not math.isnan(sum(lps)):
             return lps  # the common case, checked in C
         for i, lp in enumerate(lps):
             if not (MIN_LOGPROB <= lp <= 0.0):  # also false for NaN
@@ -382,7 +382,9 @@ class StatusReply(_Wire):
     jobs: dict[str, int]  # by state
     rollouts: dict[str, int]  # by state
     ready_by_version: dict[int, int]
-    verifier: dict[str, int] = {}  # completions scored 0 by kind (timeout, crash, memory); refused groups
+    verifier: dict[
+        str, int
+    ] = {}  # completions scored 0 by kind (timeout, crash, memory); refused groups
     verifier_busy: float = 0.0  # fraction of the verifier workers' time spent scoring
 
 

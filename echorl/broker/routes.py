@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from echorl.broker.auth import ANYONE, ENROL, SAMPLER, TRAINER, Caller, new_credential
@@ -52,9 +51,9 @@ from echorl.protocol import (
     PushRequest,
     PushResult,
     RegisterReply,
+    RevokeReply,
     RewindReply,
     RewindRequest,
-    RevokeReply,
     RunInfo,
     SamplerInfo,
     SamplerStatus,
@@ -71,6 +70,8 @@ def body_schema(model: type[BaseModel]) -> dict:
     """The OpenAPI request body of a route that parses its body itself."""
     schema = {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}
     return {"requestBody": {"required": True, "content": {"application/json": schema}}}
+
+
 router = APIRouter()
 SamplerId = PathParam(max_length=64)
 Version = PathParam(ge=0, le=MAX_ID)
@@ -146,7 +147,9 @@ def revoke(sampler_id: str = SamplerId, st: BrokerState = State) -> RevokeReply:
 
 
 @router.post("/v1/jobs/lease")
-async def lease(body: LeaseRequest, caller: Caller = SAMPLER, st: BrokerState = State) -> LeaseReply:
+async def lease(
+    body: LeaseRequest, caller: Caller = SAMPLER, st: BrokerState = State
+) -> LeaseReply:
     caller.acts_as(body.sampler_id)
     b, g = st.cfg.broker, st.cfg.train.group_size
     max_held = b.max_leased_per_sampler or st.cfg.train.batch_prompts
@@ -245,7 +248,11 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
     def attempt():
         nonlocal n_dropped
         groups, n = st.store.pull(
-            body.n, time.time(), b.trainer_lease_seconds, request_id=body.request_id, raw=True,
+            body.n,
+            time.time(),
+            b.trainer_lease_seconds,
+            request_id=body.request_id,
+            raw=True,
             **window,
         )
         n_dropped += n

@@ -23,9 +23,9 @@ from echorl.broker.weights import WeightStore
 from echorl.config import ModelConfig, RunConfig
 from echorl.models.tokenizer import RunTokenizer, TokenizerError
 from echorl.protocol import (
+    GroupAudit,
     NotFound,
     ProtocolError,
-    GroupAudit,
     RunInfo,
     ScoredGroup,
     Unprocessable,
@@ -324,6 +324,6 @@ def build_state(cfg: RunConfig) -> BrokerState:
         groups_bell=Bell(),
         verifier=verifier,
     )
-    for job_id, created, seed, group in store.scoring():  # stored before a restart
+    for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group)
     return st

@@ -233,7 +233,16 @@ class BrokerStore:
             c.execute(
                 "INSERT INTO samplers VALUES "
                 "(?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 0, 0, 0, 0, 0, NULL, 'alive')",
-                (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now, secret),
+                (
+                    sampler_id,
+                    info.name,
+                    info.hardware,
+                    info.backend,
+                    info.max_batch,
+                    now,
+                    now,
+                    secret,
+                ),
             )
 
         self._tx(fn)
@@ -797,7 +806,9 @@ class BrokerStore:
             "UPDATE jobs SET state = 'queued', lease_owner = NULL WHERE job_id = ?", dropped
         )
         log.warning(
-            "sampler %s quarantined (%s); %d unconsumed groups dropped", sampler_id, reason,
+            "sampler %s quarantined (%s); %d unconsumed groups dropped",
+            sampler_id,
+            reason,
             len(dropped),
         )
 

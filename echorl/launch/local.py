@@ -97,7 +97,9 @@ class Swarm:
                 log.flush()
             role.proc = subprocess.Popen(
                 [sys.executable, "-m", "echorl.cli", *role.args],
-                preexec_fn=None if role.cpus is None else (lambda: os.sched_setaffinity(0, role.cpus)),
+                preexec_fn=None
+                if role.cpus is None
+                else (lambda: os.sched_setaffinity(0, role.cpus)),
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

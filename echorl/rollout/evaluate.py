@@ -50,7 +50,10 @@ def evaluate(
     for i in range(0, n, chunk):
         part = problems[i : i + chunk]
         ids = backend.codec.encode_prompts([p.prompt for p in part], params)
-        rewards += [g.rewards[0] for g in rollout(backend, task, part, ids, 1, greedy, seed=0, scorer=scorer)]
+        rewards += [
+            g.rewards[0]
+            for g in rollout(backend, task, part, ids, 1, greedy, seed=0, scorer=scorer)
+        ]
         if samples:
             groups = rollout(
                 backend, task, part, ids, samples, params, seed=seed + 1, scorer=scorer

@@ -47,10 +47,12 @@ def rollout(
         scored = [v.rewards for v in scorer.score(items, format_reward)]
     else:
         scored = [
-            score_group(task, p, c, backend.codec, format_reward) for p, c in zip(problems, per_problem)
+            score_group(task, p, c, backend.codec, format_reward)
+            for p, c in zip(problems, per_problem)
         ]
     return [
-        _group(job_ids[i], version, ids, per_problem[i], scored[i]) for i, ids in enumerate(prompt_ids)
+        _group(job_ids[i], version, ids, per_problem[i], scored[i])
+        for i, ids in enumerate(prompt_ids)
     ]
 
 

@@ -23,6 +23,7 @@ transaction.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -96,7 +97,9 @@ def _completion(ids: list[int], turns) -> Completion:
         token_ids=ids,
         logprobs=[],
         finished=True,
-        turns=None if turns is None else [Turn.model_construct(start=s, end=e, version=v) for s, e, v in turns],
+        turns=None
+        if turns is None
+        else [Turn.model_construct(start=s, end=e, version=v) for s, e, v in turns],
     )
 
 
@@ -118,10 +121,8 @@ def _limit_memory(mb: int) -> None:
 def _die_with_parent() -> None:
     """Linux: the kernel kills this worker when its parent dies (even by SIGKILL), so a
     verifier spinning forever never outlives the broker."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the pipe's EOF ends it
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _serve(conn, clock, spec: VerifierSpec) -> None:
@@ -210,7 +211,9 @@ class _Worker:
         said = self._recv() if self.conn.poll(START_TIMEOUT_S) else "no answer"
         if said != "ready":
             self.stop()
-            raise RuntimeError(f"a verifier worker for task {self.spec.task!r} failed to start: {said}")
+            raise RuntimeError(
+                f"a verifier worker for task {self.spec.task!r} failed to start: {said}"
+            )
 
     def _recv(self):
         try:
@@ -243,7 +246,9 @@ class _Worker:
                 log.error("task %s: a verifier call %s; scoring it 0", self.spec.task, why)
                 self.stop()
                 if e.position < 0:  # died before it scored anything: it would again
-                    raise RuntimeError(f"a verifier worker for {self.spec.task!r} died idle")
+                    raise RuntimeError(
+                        f"a verifier worker for {self.spec.task!r} died idle"
+                    ) from None
                 if e.position % (MAX_GROUP_SIZE + 1) == 0:  # the problem itself: the whole group
                     g = e.position // (MAX_GROUP_SIZE + 1)
                     for k in range(len(batch[g][1])):

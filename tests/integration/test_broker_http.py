@@ -352,7 +352,9 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
         (httpx.get(f"{url}/v1/weights/..%2F..%2Fbroker.sqlite", headers=h), 404),
         (
             httpx.post(
-                f"{url}/v1/samplers", json={"name": "x", "max_batch": -4, **IDENTITY}, headers=as_(SAMPLER)
+                f"{url}/v1/samplers",
+                json={"name": "x", "max_batch": -4, **IDENTITY},
+                headers=as_(SAMPLER),
             ),
             422,
         ),

@@ -64,7 +64,9 @@ def run_swarm(tmp_path, model, steps):
         for s in samplers:
             if s.poll() is None:
                 s.terminate()
-        logs = {mode: s.communicate(timeout=60)[0] for mode, s in zip((*HONEST, *DISHONEST), samplers)}
+        logs = {
+            mode: s.communicate(timeout=60)[0] for mode, s in zip((*HONEST, *DISHONEST), samplers)
+        }
         stop_broker(broker)
     states = dict(query(tmp_path / "b", "SELECT name, state FROM samplers"))
     return states, logs, out, read_jsonl(tmp_path / "t" / "metrics.jsonl")
@@ -79,8 +81,9 @@ def check(tmp_path, states, logs, out, records):
     # Within the stated number of steps of its first group trained on.
     first = {}
     for sid, step in query(
-        tmp_path / "b", "SELECT sampler_id, MIN(consumed_step) FROM rollouts "
-        "WHERE consumed_step IS NOT NULL GROUP BY sampler_id"
+        tmp_path / "b",
+        "SELECT sampler_id, MIN(consumed_step) FROM rollouts "
+        "WHERE consumed_step IS NOT NULL GROUP BY sampler_id",
     ):
         first[sid] = step
     named = dict(query(tmp_path / "b", "SELECT name, id FROM samplers"))

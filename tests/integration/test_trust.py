@@ -3,6 +3,7 @@ others, hoard leases, flood registrations or send what no sampler generates, ope
 terminals fed escape sequences, and uploads that race or break off. Each is refused or
 contained with a reason, and changes nothing it should not."""
 
+import contextlib
 import hashlib
 import os
 import statistics
@@ -77,7 +78,9 @@ def test_a_verifier_that_never_returns_stalls_nothing(tmp_path):
         (job_a,) = lease(url, a).json()["jobs"]
         jobs_b = lease(url, b, 3).json()["jobs"]
         latencies, pushes = [], []
-        r = httpx.post(f"{url}/v1/rollouts", json=answer(job_a, "sleep", "spin", sid=a), headers=as_(a))
+        r = httpx.post(
+            f"{url}/v1/rollouts", json=answer(job_a, "sleep", "spin", sid=a), headers=as_(a)
+        )
         assert r.status_code == 200 and r.json() == {"stored": True}
         t_end = time.monotonic() + 3.0
         while time.monotonic() < t_end:  # both verifier calls are stuck all this time
@@ -89,16 +92,22 @@ def test_a_verifier_that_never_returns_stalls_nothing(tmp_path):
                 a_, b_ = job["prompt"][:-1].split("+")
                 t0 = time.perf_counter()
                 body = answer(job, str(int(a_) + int(b_)), "x", sid=b)
-                assert httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(b)).status_code == 200
+                assert (
+                    httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(b)).status_code == 200
+                )
                 pushes.append(time.perf_counter() - t0)
             time.sleep(0.02)
         p99 = statistics.quantiles(latencies, n=100)[98]
         print(f"healthz p99 {p99 * 1000:.1f} ms over {len(latencies)}; pushes {pushes}")
         assert p99 < 0.1 and max(pushes) < 0.5  # nothing waits for the stuck verifier
         status = wait_until(
-            lambda: (s := httpx.get(f"{url}/v1/status", headers=as_(TRAINER)).json())["verifier"]
-            .get("timeout") == 2
-            and s,
+            lambda: (
+                (s := httpx.get(f"{url}/v1/status", headers=as_(TRAINER)).json())["verifier"].get(
+                    "timeout"
+                )
+                == 2
+                and s
+            ),
             timeout=60,
             what="both stuck calls given up",
         )
@@ -151,7 +160,10 @@ def test_a_sampler_can_act_only_as_itself_and_a_revoked_one_not_at_all(broker):
     r = httpx.post(f"{url}/v1/rollouts", json=theirs, headers=as_b)
     assert r.status_code == 409 and "not leased to sampler" in r.text
     for headers in ({}, {"Authorization": "Bearer " + "z" * 43}):
-        assert httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": a}, headers=headers).status_code == 401
+        assert (
+            httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": a}, headers=headers).status_code
+            == 401
+        )
     after = query(data, "SELECT * FROM samplers"), query(data, "SELECT * FROM jobs")
     strip = lambda rows: [r[:6] + r[7:] for r in rows]  # noqa: E731  (last_seen moves)
     assert strip(after[0]) == strip(before[0]) and after[1] == before[1]
@@ -242,7 +254,9 @@ def test_oversized_absurd_and_unauthenticated_bodies_are_refused(broker):
     r = httpx.post(f"{url}/v1/rollouts", json=too_long, headers=as_(sid))
     assert r.status_code == 422 and "at most 8" in r.text
     batch = {"sampler_id": sid, "groups": [too_long["group"]]}
-    (result,) = httpx.post(f"{url}/v1/rollouts/batch", json=batch, headers=as_(sid)).json()["results"]
+    (result,) = httpx.post(f"{url}/v1/rollouts/batch", json=batch, headers=as_(sid)).json()[
+        "results"
+    ]
     assert result["stored"] is False and "at most 8" in result["refused"]
     absurd = answer(job, "1", "2", sid=sid)
     absurd["group"]["completions"][0]["logprobs"] = [-1e30]
@@ -322,7 +336,5 @@ def test_a_broker_killed_mid_upload_serves_no_partial_version(tmp_path):
 
 
 def _ignore(fn):
-    try:
+    with contextlib.suppress(httpx.HTTPError):  # the broker dies under it, on purpose
         fn()
-    except httpx.HTTPError:
-        pass

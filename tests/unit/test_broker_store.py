@@ -126,7 +126,11 @@ def test_push_is_idempotent(s):
 @pytest.mark.parametrize(
     "make,error,reason",
     [
-        (lambda s, a, b: push(s, b, group(s, 0), [0, 0], 1), ProtocolError, "not leased to sampler"),
+        (
+            lambda s, a, b: push(s, b, group(s, 0), [0, 0], 1),
+            ProtocolError,
+            "not leased to sampler",
+        ),
         (lambda s, a, b: push(s, a, group(s, 7), [0, 0], 1), NotFound, "unknown job 7"),
         (
             lambda s, a, b: push(s, a, group(s, 0, version=1), [0, 0], 1),

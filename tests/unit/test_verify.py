@@ -54,7 +54,6 @@ def test_misbehaving_verifiers_score_zero_and_are_counted():
 
 
 def test_an_environment_transcript_that_is_not_the_game_is_refused():
-    env = get_task("sokoban")
     forged = completion("up\n")  # no turns: not an episode
     with VerifierPool(VerifierSpec("sokoban", CODEC)) as pool:
         (v,) = pool.score([(3, [forged])])
