@@ -2,9 +2,18 @@ import json
 
 import pytest
 
-from echorl.broker.store import Admission, BrokerStore
+from echorl.broker.store import Admission, BrokerStore, Quarantine
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import NotFound, ProtocolError, SamplerInfo, ScoredGroup, Unprocessable
+from echorl.protocol import (
+    Forbidden,
+    GroupAudit,
+    NotFound,
+    ProtocolError,
+    SamplerInfo,
+    ScoredGroup,
+    TooMany,
+    Unprocessable,
+)
 from echorl.tasks import get_task
 
 TASK = get_task("add")
@@ -393,3 +402,89 @@ def test_a_data_dir_serves_one_run(tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         st.check_run(identity | {"tokenizer": "0" * 64})
     st.close()
+
+
+def test_registration_is_capped_and_revoked_or_departed_credentials_are_forgotten(s):
+    info = SamplerInfo(name="x", tokenizer=CODEC.fingerprint, task="add")
+    a = s.register(info, 0.0, secret="ha", max_alive=2)
+    b = s.register(info, 0.0, secret="hb", max_alive=2)
+    with pytest.raises(TooMany, match="2 samplers"):
+        s.register(info, 0.0, secret="hc", max_alive=2)
+    assert s.secrets() == {"ha": a, "hb": b}
+    s.set_latest_version(0)
+    s.lease(a, 2, 2, now=0, lease_seconds=10)
+    assert s.revoke(a) == 2  # its leases go back at once
+    s.leave(b)
+    assert s.secrets() == {}
+    assert s.counts()["jobs"] == {"queued": 2}
+    with pytest.raises(ProtocolError, match="has revoked"):
+        s.heartbeat(a, 1.0)
+    s.leave(a)  # leaving after a revocation changes nothing: revoked stays revoked
+    assert dict(s.db.execute("SELECT id, state FROM samplers")) == {a: "revoked", b: "left"}
+    assert s.register(info, 0.0, secret="hc", max_alive=2)  # room again
+
+
+def test_one_sampler_holds_at_most_max_held_and_an_expired_one_waits_a_lease_period(s):
+    a, b = sampler(s, "a"), sampler(s, "b")
+    s.set_latest_version(0)
+    assert len(s.lease(a, 100, 2, now=0, lease_seconds=10, max_held=3)) == 3
+    assert s.lease(a, 100, 2, now=1, lease_seconds=10, max_held=3) == []
+    s.expire(now=11, sampler_timeout=1e9, bar_s=10)  # a never pushed: its leases run out
+    assert s.lease(a, 1, 2, now=12, lease_seconds=10, max_held=3) == []  # barred until 21
+    assert [j.job_id for j in s.lease(b, 3, 2, now=12, lease_seconds=10, max_held=3)] == [0, 1, 2]
+    assert len(s.lease(a, 1, 2, now=22, lease_seconds=10, max_held=3)) == 1
+
+
+POLICY = Quarantine(min_tokens=20, max_mean_abs=0.5, max_kl=0.05, max_beyond=0.1, decay=0.9)
+
+
+def audit(job_id, tokens, abs_per_token, kl_per_token=0.0, beyond=0):
+    return GroupAudit(
+        job_id=job_id,
+        tokens=tokens,
+        abs_delta=abs_per_token * tokens,
+        kl=kl_per_token * tokens,
+        beyond=beyond,
+    )
+
+
+@pytest.mark.parametrize(
+    ("figures", "why"),
+    [
+        ((1.5, -1.2, 0), "lower than the trainer's"),
+        ((0.08, 0.07, 0), "0.070 per token higher"),
+        ((0.3, 0.0, 3), "far from the trainer's"),
+        ((0.9, 0.0, 0), "differ from the trainer's by 0.900"),
+    ],
+)
+def test_the_audit_quarantines_a_sampler_far_off_and_drops_its_groups(s, figures, why):
+    honest, liar = sampler(s, "honest"), sampler(s, "liar")
+    s.set_latest_version(0)
+    mine = s.lease(honest, 2, 2, now=0, lease_seconds=100)
+    theirs = s.lease(liar, 4, 2, now=0, lease_seconds=100)
+    for sid, jobs in ((honest, mine), (liar, theirs[:2])):
+        for j in jobs:
+            push(s, sid, group(s, j.job_id), [1.0, 0.0], now=1)
+    trained, _ = s.pull(4, now=1, lease_seconds=100, min_version=0)
+    s.ack([g.job_id for g in trained], step=0)  # what the trainer audits
+    push(s, liar, group(s, theirs[2].job_id), [1.0, 0.0], now=1)  # ready, not yet trained
+    abs_, kl, beyond = figures
+    first = [audit(mine[0].job_id, 10, 0.02), audit(theirs[0].job_id, 10, abs_, kl, beyond)]
+    assert s.audit(first, POLICY) == []  # 10 audited tokens each: below min_tokens
+    second = [audit(mine[1].job_id, 10, 0.02), audit(theirs[1].job_id, 10, abs_, kl, beyond)]
+    ((sid, reason),) = s.audit(second, POLICY)
+    assert sid == liar and why in reason
+    states = dict(s.db.execute("SELECT id, state FROM samplers"))
+    assert states == {honest: "alive", liar: "quarantined"}
+    # its unconsumed group and its lease go back to the queue; what was audited stays
+    left = {r[0] for r in s.db.execute("SELECT job_id FROM rollouts WHERE sampler_id = ?", (liar,))}
+    assert left == {theirs[0].job_id, theirs[1].job_id}
+    queued = {r[0] for r in s.db.execute("SELECT job_id FROM jobs WHERE state = 'queued'")}
+    assert queued == {theirs[2].job_id, theirs[3].job_id}
+    with pytest.raises(Forbidden, match="is quarantined: .*log-probs"):
+        s.lease(liar, 1, 2, now=2, lease_seconds=100)
+    with pytest.raises(Forbidden, match="quarantined"):
+        s.heartbeat(liar, 2.0)
+    listed = {r["id"]: r for r in s.samplers()}
+    assert listed[liar]["reason"] == reason and listed[liar]["audited_tokens"] == 20
+    assert listed[honest]["logprob_mean_abs"] == pytest.approx(0.02)
