@@ -348,7 +348,7 @@ def sampler(
         console.print(f"{name}: sampling for {url}")
         try:
             worker.run(stop)
-        except BrokerRejected as e:  # refused at registration: retrying cannot help
+        except BrokerRejected as e:  # refused (registration, revoked, quarantined): final
             console.print(f"[red]{name}: the broker refused this sampler:[/red] {e.reason}")
             raise typer.Exit(2) from None
     console.print(f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused)")

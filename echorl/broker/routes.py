@@ -273,7 +273,7 @@ async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
 @router.post("/v1/trainer/audit", dependencies=[TRAINER])
 def audit(body: AuditReport, st: BrokerState = State) -> AuditReply:
     """The trainer's log-prob check of consumed groups; may quarantine their samplers."""
-    return AuditReply(quarantined=st.audit(body.groups))
+    return AuditReply(quarantined=st.audit(body.groups, body.step))
 
 
 @router.post("/v1/trainer/rewind", dependencies=[TRAINER])

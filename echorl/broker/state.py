@@ -166,13 +166,13 @@ class BrokerState:
         if refused:
             self.jobs_bell.ring()
 
-    def audit(self, groups: list[GroupAudit]) -> dict[str, str]:
+    def audit(self, groups: list[GroupAudit], step: int) -> dict[str, str]:
         """The trainer's log-prob audit: samplers over the bounds are quarantined (id -> why)."""
         q = self.cfg.quarantine
         if not q.enabled:
             return {}
         policy = Quarantine(q.min_tokens, q.max_mean_abs, q.max_kl, q.max_beyond, q.decay)
-        quarantined = dict(self.store.audit(groups, policy))
+        quarantined = dict(self.store.audit(groups, policy, step))
         self.metrics.quarantined.inc(len(quarantined))
         if quarantined:
             self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again

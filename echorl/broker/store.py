@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import statistics
 import threading
 import uuid
 from collections.abc import Callable
@@ -103,18 +104,18 @@ class Quarantine:
         if abs(kl / tokens) > self.max_kl:
             side = "higher" if kl > 0 else "lower"
             return (
-                f"its log-probs are {abs(kl / tokens):.3f} per token {side} than the trainer's "
-                f"on average (bound {self.max_kl})"
+                f"its log-probs are {abs(kl / tokens):.3f} per token {side} than the trainer's, "
+                f"beyond what honest samplers show (bound {self.max_kl})"
             )
         if abs_sum / tokens > self.max_mean_abs:
             return (
                 f"its log-probs differ from the trainer's by {abs_sum / tokens:.3f} per token "
-                f"on average (bound {self.max_mean_abs})"
+                f"more than honest samplers' on average (bound {self.max_mean_abs})"
             )
         if beyond / tokens > self.max_beyond:
             return (
-                f"{beyond / tokens:.1%} of its tokens' log-probs are far from the trainer's "
-                f"(bound {self.max_beyond:.1%})"
+                f"{beyond / tokens:.1%} more of its tokens' log-probs are far from the "
+                f"trainer's than honest samplers' (bound {self.max_beyond:.1%})"
             )
         return None
 
@@ -742,24 +743,45 @@ class BrokerStore:
         rows = self._tx(lambda c: c.execute(f"SELECT {', '.join(cols)} FROM samplers").fetchall())
         return [dict(zip(names, r)) for r in rows]
 
-    def audit(self, audits: list[GroupAudit], policy: Quarantine) -> list[tuple[str, str]]:
-        """The trainer's check of consumed groups: its own log-probs of their tokens against
-        the sampler's. Each sampler's sums decay by `policy.decay` per report it appears in
-        (recent behaviour counts most) and take this report's. A sampler over the policy's
-        bounds is quarantined: it leases and pushes nothing more (403 with the reason), its
-        leases and unconsumed groups go back to the queue. Returns (sampler id, reason) of
-        each sampler quarantined now."""
+    def audit(
+        self, audits: list[GroupAudit], policy: Quarantine, step: int
+    ) -> list[tuple[str, str]]:
+        """The trainer's check of the groups it trained on at `step`: its own log-probs of
+        their tokens against the sampler's. Each group is measured against what honest
+        samplers show for the same version: a group of version `step` came from the very
+        weights the trainer holds (honest: ~0 apart, numerics only); an older one from
+        weights the trainer has since moved away from, by as much for every honest sampler
+        of that version, so its baseline is the median group of that version in this report
+        (three or more of them; fewer, and an older group is no evidence). Each sampler's
+        excess over the baselines accumulates (decayed by `policy.decay` per report it
+        appears in), and a sampler over the policy's bounds is quarantined: it leases and
+        pushes nothing more (403 with the reason), its leases and unconsumed groups go back
+        to the queue. Returns (sampler id, reason) of each sampler quarantined now."""
 
         def fn(c):
-            per: dict[str, list[float]] = {}
+            rows = []  # (sampler, version, tokens, abs/token, signed/token, beyond/token)
             for a in audits:
                 row = c.execute(
-                    "SELECT sampler_id FROM rollouts WHERE job_id = ?", (a.job_id,)
+                    "SELECT sampler_id, version FROM rollouts WHERE job_id = ?", (a.job_id,)
                 ).fetchone()
-                if row is not None:
-                    acc = per.setdefault(row[0], [0.0, 0.0, 0.0, 0.0])
-                    for i, v in enumerate((a.tokens, a.abs_delta, a.kl, a.beyond)):
-                        acc[i] += v
+                if row is not None and a.tokens > 0:
+                    t = a.tokens
+                    rows.append((*row, t, a.abs_delta / t, a.kl / t, a.beyond / t))
+            baseline = {}
+            for version in {r[1] for r in rows}:
+                same = [r[3:] for r in rows if r[1] == version]
+                if version == step:
+                    baseline[version] = (0.0, 0.0, 0.0)
+                elif len(same) >= 3:
+                    baseline[version] = tuple(statistics.median(col) for col in zip(*same))
+            per: dict[str, list[float]] = {}
+            for sid, version, tokens, *figures in rows:
+                if version not in baseline:
+                    continue
+                acc = per.setdefault(sid, [0.0, 0.0, 0.0, 0.0])
+                acc[0] += tokens
+                for i, (x, b) in enumerate(zip(figures, baseline[version])):
+                    acc[i + 1] += (x - b) * tokens
             quarantined = []
             for sid, (tokens, abs_, kl, beyond) in per.items():
                 d = policy.decay

@@ -57,6 +57,7 @@ class Role:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     due: float = 0.0  # monotonic time of the next restart, while it is dead
+    retired: bool = False  # refused by the broker: never started again
 
     @property
     def alive(self) -> bool:
@@ -259,7 +260,9 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
             if not trainer.alive and trainer.proc.returncode == 0 and not trainer.due:
                 break
             for role in swarm.roles.values():
-                if not role.alive and (code := supervise(swarm, role, cfg, console)) is not None:
+                if role.retired or role.alive:
+                    continue
+                if (code := supervise(swarm, role, cfg, console)) is not None:
                     return code
             live.update(view.table())
             stalled = time.monotonic() - view.progressed
@@ -272,12 +275,22 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
     return 0
 
 
+REFUSED = 2  # `echorl sampler`'s exit code when the broker refuses it (403, 401, 409 at start)
+
+
 def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int | None:
-    """A dead child: schedule its restart (backoff 1, 2, 4 ... 30 s), or start it when due.
-    Returns 1 when it has died too often to go on."""
+    """A dead child: schedule its restart (backoff 1, 2, 4 ... 30 s), or start it when due; a
+    sampler the broker refused stays down. Returns 1 when one has died too often to go on."""
     now = time.monotonic()
     if not role.due:
         code = role.proc.returncode
+        if role.name.startswith("sampler-") and code == REFUSED:
+            role.retired = True
+            console.print(
+                f"[yellow]{role.name} was refused by the broker (revoked or quarantined; see "
+                f"{swarm.out / 'logs' / role.name}.log); not restarted"
+            )
+            return None
         if role.restarts >= cfg.launch.max_restarts:
             console.print(
                 f"[red]{role.name} exited ({code}) after {role.restarts} restarts; stopping the "

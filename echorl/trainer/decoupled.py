@@ -239,6 +239,10 @@ class DecoupledTrainer:
         t0 = time.perf_counter()
         audits: list[GroupAudit] = []
         tolerance = cfg.quarantine.tolerance
+
+        def audit(gs, batch, logp):
+            audits.extend(audit_batch(gs, batch, logp, tolerance))
+
         metrics = update_policy(
             self.model,
             self.tokenizer.pad_token_id,
@@ -248,7 +252,7 @@ class DecoupledTrainer:
             cfg,
             step,
             self.ref_model,
-            audit=lambda gs, batch, logp: audits.extend(audit_batch(gs, batch, logp, tolerance)),
+            audit=audit,
         )
         train_s = time.perf_counter() - t0
         metrics |= self.report(audits, step)
@@ -278,8 +282,8 @@ class DecoupledTrainer:
         }
 
     def report(self, audits: list[GroupAudit], step: int) -> dict[str, float]:
-        """Send the samplers' log-prob audit (the groups trained on) to the broker, which
-        quarantines a sampler far off (README: Trust). Returns the batch's figures."""
+        """Send the samplers' log-prob audit (every group of the batch) to the broker, which
+        quarantines a sampler far off (README: Trust); return the batch's figures."""
         if not self.cfg.quarantine.enabled or not audits:
             return {}
         quarantined = self.client.audit(AuditReport(step=step, groups=audits))

@@ -470,9 +470,9 @@ def test_the_audit_quarantines_a_sampler_far_off_and_drops_its_groups(s, figures
     push(s, liar, group(s, theirs[2].job_id), [1.0, 0.0], now=1)  # ready, not yet trained
     abs_, kl, beyond = figures
     first = [audit(mine[0].job_id, 10, 0.02), audit(theirs[0].job_id, 10, abs_, kl, beyond)]
-    assert s.audit(first, POLICY) == []  # 10 audited tokens each: below min_tokens
+    assert s.audit(first, POLICY, step=0) == []  # 10 audited tokens each: below min_tokens
     second = [audit(mine[1].job_id, 10, 0.02), audit(theirs[1].job_id, 10, abs_, kl, beyond)]
-    ((sid, reason),) = s.audit(second, POLICY)
+    ((sid, reason),) = s.audit(second, POLICY, step=0)
     assert sid == liar and why in reason
     states = dict(s.db.execute("SELECT id, state FROM samplers"))
     assert states == {honest: "alive", liar: "quarantined"}
@@ -488,3 +488,24 @@ def test_the_audit_quarantines_a_sampler_far_off_and_drops_its_groups(s, figures
     listed = {r["id"]: r for r in s.samplers()}
     assert listed[liar]["reason"] == reason and listed[liar]["audited_tokens"] == 20
     assert listed[honest]["logprob_mean_abs"] == pytest.approx(0.02)
+
+
+def test_older_groups_are_judged_against_honest_peers_of_their_version(s):
+    """The trainer has moved on since version 0: every honest group of it is off by as much
+    (0.2 per token here), which is no evidence against anyone; one off by more is."""
+    ids = [sampler(s, name) for name in ("a", "b", "c", "d")]
+    s.set_latest_version(0)
+    jobs = {sid: s.lease(sid, 2, 2, now=0, lease_seconds=100) for sid in ids}
+    for sid, leased in jobs.items():
+        for j in leased:
+            push(s, sid, group(s, j.job_id), [1.0, 0.0], now=1)
+    report = [
+        audit(j.job_id, 40, 0.2 if sid != ids[3] else 1.5, 0.1 if sid != ids[3] else 1.3)
+        for sid, leased in jobs.items()
+        for j in leased
+    ]
+    quarantined = s.audit(report, POLICY, step=3)  # version 0, trained at step 3
+    assert [sid for sid, _ in quarantined] == [ids[3]]
+    assert dict(s.db.execute("SELECT name, state FROM samplers"))["a"] == "alive"
+    # Fewer than three groups of an older version: no evidence either way.
+    assert s.audit(report[:2], POLICY, step=3) == []
