@@ -38,8 +38,8 @@ RUN = [
     "broker.max_leased_per_sampler=4",  # every sampler gets a share of each batch
 ]
 # Stated bound: each dishonest sampler is quarantined within this many trainer steps of
-# its first group trained on (min_tokens = 256 audited tokens, a share of ~2 groups x 4
-# completions x ~4 tokens per step, decayed).
+# its first group trained on (min_tokens = 128 audited tokens: 10-15 of its groups of
+# 3-token answers, with five samplers sharing 10 groups a step).
 WITHIN_STEPS = 15
 
 
@@ -104,7 +104,7 @@ def check(tmp_path, states, logs, out, records):
 def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, warm_add):
     states, logs, out, records = run_swarm(tmp_path, warm_add, steps=40)
     train, evals = check(tmp_path, states, logs, out, records)
-    # Measured: train reward 0.57 -> 0.76, held-out 0.62 -> 0.84.
+    # Measured: train reward 0.58 -> 0.77, held-out 0.66 -> 0.94; quarantined at steps 27-28.
     assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, train
     assert evals[-1] >= evals[0] + 0.05, evals
 
