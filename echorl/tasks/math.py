@@ -13,6 +13,7 @@ threads), so they are off here and the text is capped in length instead.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -57,9 +58,12 @@ class MathJSONL:
     path: str
     max_new_tokens: int = 512
 
-    @property
+    @cached_property
     def name(self) -> str:
-        return f"jsonl:{self.path}"
+        """The file's name and a digest of its content, not its path: the same problems on
+        two machines (or in two folders) are one task, with one problem stream."""
+        digest = hashlib.sha256(Path(self.path).read_bytes()).hexdigest()[:12]
+        return f"jsonl:{Path(self.path).name}@{digest}"
 
     @cached_property
     def rows(self) -> list[dict]:
