@@ -472,8 +472,8 @@ def status(
         raise typer.Exit(1) from None
     console.print(f"mode [bold]{st.mode}[/bold]   latest version [bold]{st.latest_version}[/bold]")
     table = Table(title="samplers")
+    table.add_column("id", no_wrap=True, min_width=16)  # whole: `echorl samplers revoke ID`
     for col in (
-        "id",
         "name",
         "hardware",
         "backend",

@@ -54,7 +54,9 @@ def digest(token: str) -> str:
 
 
 class Auth:
-    def __init__(self, cfg: BrokerConfig, samplers: dict[str, str]):
+    def __init__(
+        self, cfg: BrokerConfig, samplers: dict[str, str], revoked: set[str] = frozenset()
+    ):
         tokens = {
             "trainer": cfg.trainer_token or os.environ.get("ECHORL_TRAINER_TOKEN"),
             "enrol": cfg.sampler_token or os.environ.get("ECHORL_SAMPLER_TOKEN"),
@@ -67,15 +69,18 @@ class Auth:
         self.tokens = {role: t for role, t in tokens.items() if t}  # never logged
         self.insecure = cfg.insecure_no_auth
         self.samplers = dict(samplers)  # credential hash -> sampler id
+        self.revoked = set(revoked)  # credential hashes the admin revoked
 
     def admit(self, sampler_id: str, secret: str) -> None:
         self.samplers[secret] = sampler_id
 
-    def forget(self, sampler_id: str) -> None:
+    def forget(self, sampler_id: str, revoked: bool = False) -> None:
         """The sampler left or was revoked: its credential is refused from now on."""
         for secret, sid in list(self.samplers.items()):
             if sid == sampler_id:
                 del self.samplers[secret]
+                if revoked:
+                    self.revoked.add(secret)
 
     def identify(self, token: str | None) -> Caller:
         """Who `token` belongs to; Unauthorized if nobody."""
@@ -86,9 +91,12 @@ class Auth:
         for role, known in self.tokens.items():
             if hmac.compare_digest(token.encode(), known.encode()):
                 return Caller(role)
-        sampler_id = self.samplers.get(digest(token))  # a dict lookup of a hash: no timing leak
+        secret = digest(token)
+        sampler_id = self.samplers.get(secret)  # a dict lookup of a hash: no timing leak
         if sampler_id is None:
-            raise Unauthorized("unknown token (a sampler that left or was revoked registers again)")
+            if secret in self.revoked:
+                raise Unauthorized("this sampler was revoked by the run's admin")
+            raise Unauthorized("unknown token (a sampler that has left registers again)")
         return Caller("sampler", sampler_id)
 
 

@@ -140,7 +140,7 @@ def leave(
 def revoke(sampler_id: str = SamplerId, st: BrokerState = State) -> RevokeReply:
     """The admin's: this sampler's credential is refused from now on, its leases returned."""
     returned = st.store.revoke(sampler_id)
-    st.auth.forget(sampler_id)
+    st.auth.forget(sampler_id, revoked=True)
     st.jobs_bell.ring()
     log.warning("sampler %s revoked; %d leased jobs returned", sampler_id, returned)
     return RevokeReply(returned=returned)

@@ -296,7 +296,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
     data = Path(b.data_dir)
     store = open_store(cfg, task, codec)
     try:
-        auth = Auth(b, store.secrets())
+        auth = Auth(b, store.secrets(), store.revoked())
     except ValueError as e:
         store.close()
         raise SetupError(str(e)) from None

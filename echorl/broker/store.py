@@ -259,6 +259,13 @@ class BrokerStore:
         )
         return dict(rows)
 
+    def revoked(self) -> set[str]:
+        """Credential hashes of revoked samplers (refused with that reason)."""
+        rows = self._tx(
+            lambda c: c.execute("SELECT secret FROM samplers WHERE state = 'revoked'").fetchall()
+        )
+        return {r[0] for r in rows}
+
     def revoke(self, sampler_id: str) -> int:
         """Revoke a sampler: it may never call again; its leased jobs go back to the queue.
         Returns how many were returned."""
