@@ -252,7 +252,7 @@ class DecoupledTrainer:
             cfg,
             step,
             self.ref_model,
-            audit=audit,
+            audit=audit if cfg.quarantine.enabled else None,
         )
         train_s = time.perf_counter() - t0
         metrics |= self.report(audits, step)
