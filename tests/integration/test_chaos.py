@@ -25,6 +25,7 @@ def chaos(tmp_path, steps, kills):
     return books, out
 
 
+@pytest.mark.slow  # ~1 min: keeps the default suite within its 15 minutes on 2 cores
 def test_every_role_killed_once_the_books_balance(tmp_path):
     books, out = chaos(tmp_path, steps=80, kills=1)
     assert books["kills"] == {"broker": 1, "trainer": 1, "sampler-0": 1, "sampler-1": 1}
