@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from broker_start import free_port  # noqa: E402
+from broker_start import free_port, wait_healthy  # noqa: E402
 
 from echorl.models.tokenizer import RunTokenizer  # noqa: E402
 from echorl.tasks import get_task  # noqa: E402
@@ -56,14 +56,8 @@ def start_broker(data: str, port: int, task: str, workers: int) -> subprocess.Po
     ):
         args += ["-o", o]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
-            return proc
-        except httpx.TransportError:
-            assert proc.poll() is None, "the broker exited"
-            time.sleep(0.05)
-    raise RuntimeError("the broker did not start")
+    wait_healthy(port, proc)
+    return proc
 
 
 def completions(task, rng: random.Random, n: int = 64) -> list[str]:

@@ -28,6 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until the broker on `port` answers /healthz (it must not exit meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
+            return
+        except httpx.TransportError:
+            assert proc.poll() is None, "the broker exited"
+            time.sleep(0.05)
+    raise RuntimeError(f"the broker did not answer within {timeout:.0f} s")
+
+
 def one_start() -> float:
     port = free_port()
     with tempfile.TemporaryDirectory() as data:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,21 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load
 
-from echorl.client import BrokerClient
-from echorl.models.tiny import build_tiny_model
-from echorl.trainer.weights import stream_safetensors
+sys.path.insert(0, str(Path(__file__).parent))
+from broker_start import free_port, wait_healthy  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from echorl.client import BrokerClient  # noqa: E402
+from echorl.models.tiny import build_tiny_model  # noqa: E402
+from echorl.trainer.weights import stream_safetensors  # noqa: E402
 
 
 def start_broker(data: str, port: int, dtype: str) -> subprocess.Popen:
@@ -48,13 +43,8 @@ def start_broker(data: str, port: int, dtype: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.2)
-            return proc
-        except httpx.TransportError:
-            assert proc.poll() is None, "the broker exited"
-            time.sleep(0.05)
+    wait_healthy(port, proc)
+    return proc
 
 
 def measure(preset: str, dtype: str, versions: int) -> dict:

@@ -454,6 +454,19 @@ def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
     return code
 
 
+def _admin_call(broker_url: str, token: str | None, call):
+    """`call(client)` against the broker; a refusal or no answer is printed (as text: the
+    broker's reason may quote what samplers wrote) and exits 1."""
+    from echorl.client import BrokerClient, BrokerError
+
+    try:
+        with BrokerClient(broker_url, token, retries=1) as client:
+            return call(client)
+    except BrokerError as e:
+        console.print(Text(f"--broker {broker_url}: {e}", style="red"))
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def status(
     broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
@@ -462,14 +475,7 @@ def status(
     ),
 ) -> None:
     """Print a broker's samplers, versions, jobs, replay buffer and verifier failures."""
-    from echorl.client import BrokerClient, BrokerError
-
-    try:
-        with BrokerClient(broker_url, token, retries=1) as client:
-            st = client.status()
-    except BrokerError as e:
-        console.print(f"[red]--broker {broker_url}:[/red] {e}")
-        raise typer.Exit(1) from None
+    st = _admin_call(broker_url, token, lambda client: client.status())
     console.print(f"mode [bold]{st.mode}[/bold]   latest version [bold]{st.latest_version}[/bold]")
     table = Table(title="samplers")
     table.add_column("id", no_wrap=True, min_width=16)  # whole: `echorl samplers revoke ID`
@@ -519,14 +525,7 @@ def revoke(
     ),
 ) -> None:
     """Refuse one sampler from now on; its leased jobs go back to the queue."""
-    from echorl.client import BrokerClient, BrokerError
-
-    try:
-        with BrokerClient(broker_url, token, retries=1) as client:
-            returned = client.revoke(sampler_id)
-    except BrokerError as e:
-        console.print(Text(f"--broker {broker_url}: {e}", style="red"))
-        raise typer.Exit(1) from None
+    returned = _admin_call(broker_url, token, lambda client: client.revoke(sampler_id))
     console.print(f"sampler {sampler_id} revoked; {returned} leased jobs returned to the queue")
 
 

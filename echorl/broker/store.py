@@ -307,11 +307,7 @@ class BrokerStore:
                 raise NotFound(f"unknown sampler {sampler_id!r}")
             if row[0] != "revoked":  # revoked stays revoked
                 c.execute("UPDATE samplers SET state = ? WHERE id = ?", (state, sampler_id))
-            return c.execute(
-                "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
-                "WHERE state = 'leased' AND lease_owner = ?",
-                (sampler_id,),
-            ).rowcount
+            return self._return_leases(c, sampler_id)
 
         return self._tx(fn)
 
@@ -813,16 +809,21 @@ class BrokerStore:
         return self._tx(fn)
 
     @staticmethod
+    def _return_leases(c, sampler_id: str) -> int:
+        """`sampler_id`'s leased jobs back to the queue (no attempt counted); how many."""
+        return c.execute(
+            "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
+            "WHERE state = 'leased' AND lease_owner = ?",
+            (sampler_id,),
+        ).rowcount
+
+    @staticmethod
     def _quarantine(c, sampler_id: str, reason: str) -> None:
         c.execute(
             "UPDATE samplers SET state = 'quarantined', reason = ? WHERE id = ?",
             (reason, sampler_id),
         )
-        c.execute(
-            "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
-            "WHERE state = 'leased' AND lease_owner = ?",
-            (sampler_id,),
-        )
+        BrokerStore._return_leases(c, sampler_id)
         dropped = [
             (r[0],)
             for r in c.execute(

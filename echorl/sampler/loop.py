@@ -176,12 +176,8 @@ class Sampler:
                 outage.failed(e)
                 stop.wait(2.0)
             except BrokerRejected as e:
-                if e.status in (401, 403):  # revoked: this sampler may not call any more
+                if e.status in (401, 403):  # revoked or quarantined: it may not call any more
                     raise
-                if "register again" in e.reason:  # it left (or was lost): a new identity
-                    sampler_id = self.client.register(self.info())
-                    log.warning("%s: registered again as %s", self.name, sampler_id)
-                    continue
                 log.warning("%s: %s; leasing again", self.name, e)  # e.g. a version deleted
                 stop.wait(0.5)
         try:  # hand back what it will not finish, so nobody waits for the lease to expire
