@@ -1,7 +1,7 @@
 """Verifiers off the caller's path: scoring in worker processes, every call bounded.
 
 A verifier is the task's own code run on untrusted text: math-verify on a policy's
-answer, a user's Python, an environment's replay. One that never returns, or that
+answer, a user's Python, an environment's replay or its next turn. One that never returns, or that
 holds the interpreter lock in a big-integer loop, must stall neither the broker's
 HTTP server nor a sampler nor an evaluation. `VerifierPool` runs the scoring in
 `workers` spawned processes (no torch, no server: the task and the tokenizer only).
@@ -14,11 +14,18 @@ the same way. Failures are counted by kind (`timeout`, `crash`, `memory`).
     pool = VerifierPool(VerifierSpec("math_word", codec), workers=2)
     verdicts = pool.score([(problem_seed, completions), ...])      # blocking, in order
     pool.submit(tag, problem_seed, completions, done)               # the broker's way
+    steps = pool.step([(key, problem_seed, actions), ...])          # environments, live
     pool.close()
 
 `done(pairs)` is called on the pool's thread with `[(tag, Verdict), ...]`: every item
 of one worker batch that named the same `done`, so a caller can store them in one
 transaction.
+
+`step` plays a multi-turn environment's games one turn further, each move bounded the
+same way: a game whose move overruns or crashes ends there with return 0. A worker keeps
+the games it is playing; one that has not seen a game (a fresh worker after a kill, or
+another worker of the pool) replays its earlier actions first, which an episode's being
+a pure function of its seed and actions makes exact.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -33,7 +41,7 @@ import resource
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -47,6 +55,7 @@ log = logging.getLogger("echorl.verify")
 
 POLL_S = 0.02  # how often a waiting feeder checks its worker's clock
 BATCH = 64  # groups per worker call: one round trip scores many
+GAMES_HELD = 4096  # live games a worker keeps; one forgotten is replayed when asked again
 START_TIMEOUT_S = 120.0  # a worker that is not ready by then will not be
 
 
@@ -81,10 +90,20 @@ class Verdict:
     rewards: list[float]
     failed: Counter = field(default_factory=Counter)
     refused: str | None = None
+    observation: str | None = None  # a step's: the environment's answer; None: the game is over
 
 
 Done = Callable[[list[tuple[Any, Verdict]]], None]
 Wire = list[tuple[list[int], list[tuple[int, int, int]] | None]]  # token ids, turns
+# What a worker is sent per item: ("score", seed, Wire, format_reward), or
+# ("step", seed, (game key, actions so far), 0.0) for one more turn of a live game.
+Work = tuple[str, int, Any, float]
+Result = tuple[list[float], Counter, str | None, str | None]  # rewards, failed, refused, obs
+
+
+def _size(work: Work) -> int:
+    """How many bounded calls (positions) an item holds."""
+    return len(work[2]) if work[0] == "score" else 1
 
 
 def _wire(completions: list[Completion]) -> Wire:
@@ -144,6 +163,7 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
     except Exception:
         pass
     _limit_memory(spec.memory_mb)
+    games: OrderedDict = OrderedDict()  # key -> (episode, actions taken): the live games
     conn.send("ready")
     while True:
         try:
@@ -154,13 +174,19 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
             return
         batch, skip = msg
         out = []
-        for g, (seed, completions, format_reward) in enumerate(batch):
+        for g, (kind, seed, payload, format_reward) in enumerate(batch):
+            base = g * (MAX_GROUP_SIZE + 1)
+            if kind == "step":
+                clock[1], clock[0] = base + 1, time.monotonic()
+                out.append(_move(task, games, seed, *payload, skip.get(base + 1)))
+                clock[0] = 0.0
+                continue
             rewards, failed, refused = [], Counter(), None
             try:
-                clock[1], clock[0] = g * (MAX_GROUP_SIZE + 1), time.monotonic()
+                clock[1], clock[0] = base, time.monotonic()
                 problem = task.problem(seed)
-                for k, (ids, turns) in enumerate(completions):
-                    pos = g * (MAX_GROUP_SIZE + 1) + k + 1
+                for k, (ids, turns) in enumerate(payload):
+                    pos = base + k + 1
                     if pos in skip:
                         rewards.append(0.0)
                         failed[skip[pos]] += 1
@@ -180,9 +206,39 @@ def _serve(conn, clock, spec: VerifierSpec) -> None:
             except MemoryError:
                 refused = "the task's problem could not be made within the memory limit"
             clock[0] = 0.0
-            out.append((rewards, failed, refused))
+            out.append((rewards, failed, refused, None))
         clock[1] = -1.0  # between batches: a death now is nobody's completion
         conn.send(out)
+
+
+def _move(env, games: OrderedDict, seed: int, key, actions: list[str], skipped: str | None):
+    """Game `key` one turn on: its last action played, from the episode this worker holds
+    or from a replay of the earlier ones. An error ends the game with return 0."""
+    held = games.pop(key, None)
+    if skipped is not None:  # this move overran or crashed its worker before
+        return [0.0], Counter({skipped: 1}), None, None
+    try:
+        if held is None or held[1] != len(actions) - 1:
+            episode = env.episode(seed)
+            for action in actions[:-1]:
+                episode.step(action)
+        else:
+            episode = held[0]
+        obs, reward, done, _ = episode.step(actions[-1])
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward {reward}")
+    except MemoryError:
+        return [0.0], Counter(memory=1), None, None
+    except Exception as e:  # the environment's code on the policy's text
+        log.debug("environment step failed: %s", e)
+        return [0.0], Counter(error=1), None, None
+    if done:
+        return [reward], Counter(), None, None
+    games[key] = (episode, len(actions))
+    if len(games) > GAMES_HELD:
+        games.popitem(last=False)
+    return [reward], Counter(), None, str(obs)
 
 
 # -- the parent's side -------------------------------------------------------------------------
@@ -206,8 +262,14 @@ class _Worker:
         self.proc = self.ctx.Process(
             target=_serve, args=(child, self.clock, self.spec), daemon=True, name="echorl-verifier"
         )
-        self.proc.start()
-        child.close()
+        try:
+            self.proc.start()
+        except BaseException:
+            self.proc = None
+            self.conn.close()
+            raise
+        finally:
+            child.close()
         said = self._recv() if self.conn.poll(START_TIMEOUT_S) else "no answer"
         if said != "ready":
             self.stop()
@@ -230,28 +292,33 @@ class _Worker:
         self.conn.close()
         self.proc = None
 
-    def run(
-        self, batch: list[tuple[int, Wire, float]]
-    ) -> list[tuple[list[float], Counter, str | None]]:
+    def run(self, batch: list[Work]) -> list[Result]:
         """Score `batch`, restarting the worker past every completion it gives up on."""
         skip: dict[int, str] = {}
+        idle_deaths = 0
         while True:
+            if self.proc is not None and not self.proc.is_alive():
+                self.stop()  # died between batches (killed, out of memory): a fresh one
             if self.proc is None:
                 self.start()
             try:
                 self.conn.send((batch, skip))
                 return self._wait()
             except _Stuck as e:
+                self.stop()
+                if e.position < 0:  # died before it scored anything: killed idle, once
+                    idle_deaths += 1
+                    if idle_deaths > 1:  # or the batch itself kills it: it would again
+                        raise RuntimeError(
+                            f"a verifier worker for {self.spec.task!r} died before scoring"
+                        ) from None
+                    log.warning("task %s: a verifier worker died idle; restarted", self.spec.task)
+                    continue
                 why = f"over {self.spec.time_limit_s:g} s" if e.kind == "timeout" else "died"
                 log.error("task %s: a verifier call %s; scoring it 0", self.spec.task, why)
-                self.stop()
-                if e.position < 0:  # died before it scored anything: it would again
-                    raise RuntimeError(
-                        f"a verifier worker for {self.spec.task!r} died idle"
-                    ) from None
                 if e.position % (MAX_GROUP_SIZE + 1) == 0:  # the problem itself: the whole group
                     g = e.position // (MAX_GROUP_SIZE + 1)
-                    for k in range(len(batch[g][1])):
+                    for k in range(_size(batch[g])):
                         skip[e.position + k + 1] = e.kind
                 else:
                     skip[e.position] = e.kind
@@ -315,7 +382,7 @@ class VerifierPool:
         """Score the group of problem `seed` later; `done([(tag, verdict), ...])` gets it.
         `format_reward`: the spec's unless given (evaluation scores the verifier alone: 0)."""
         fr = self.spec.format_reward if format_reward is None else format_reward
-        self.queue.put((tag, (seed, _wire(completions), fr), done))
+        self.queue.put((tag, ("score", seed, _wire(completions), fr), done))
 
     def score(
         self, items: list[tuple[int, list[Completion]]], format_reward: float | None = None
@@ -329,6 +396,21 @@ class VerifierPool:
 
         for fut, (seed, completions) in zip(futures, items):
             self.submit(fut, seed, completions, done, format_reward)
+        return [f.result() for f in futures]
+
+    def step(self, games: list[tuple[Any, int, list[str]]]) -> list[Verdict]:
+        """Each game `(key, problem seed, actions so far)` one turn on: its last action played.
+        A verdict's `rewards` is that turn's reward and `observation` the environment's
+        answer, None once the game is over (done, or its move overran: reward 0, counted in
+        `failed`). Keys name games across turns; blocks until every game has moved."""
+        futures = [Future() for _ in games]
+
+        def done(pairs):
+            for fut, verdict in pairs:
+                fut.set_result(verdict)
+
+        for fut, (key, seed, actions) in zip(futures, games):
+            self.queue.put((fut, ("step", seed, (key, list(actions)), 0.0), done))
         return [f.result() for f in futures]
 
     def utilisation(self) -> float:
@@ -358,15 +440,17 @@ class VerifierPool:
                 results = worker.run([work for _, work, _ in items])
             except Exception as e:  # a worker that cannot even start: every group scores 0
                 log.error("task %s: verifier pool failed: %s", self.spec.task, e)
-                results = [([0.0] * len(w[1]), Counter(crash=len(w[1])), None) for _, w, _ in items]
+                results = [
+                    ([0.0] * _size(w), Counter(crash=_size(w)), None, None) for _, w, _ in items
+                ]
             by_done: dict[int, tuple[Done, list]] = {}
             with self._lock:
                 self.busy_s += time.monotonic() - t0
-                for (tag, _, done), (rewards, failed, refused) in zip(items, results):
+                for (tag, _, done), (rewards, failed, refused, obs) in zip(items, results):
                     self.failures.update(failed)
                     self.refused += refused is not None
                     by_done.setdefault(id(done), (done, []))[1].append(
-                        (tag, Verdict(rewards, failed, refused))
+                        (tag, Verdict(rewards, failed, refused, obs))
                     )
             for done, pairs in by_done.values():
                 try:

@@ -63,3 +63,69 @@ def test_an_environment_transcript_that_is_not_the_game_is_refused():
 def test_a_task_that_cannot_load_fails_the_pool_at_start():
     with pytest.raises(RuntimeError, match="failed to start"):
         VerifierPool(VerifierSpec("tests/no/such/file.py:Nope", CODEC))
+
+
+HOSTILE_GAME = f"{Path(__file__).parents[1] / 'fixtures' / 'hostile_task.py'}:HostileGame"
+
+
+def test_live_games_move_in_the_pool_as_in_process_and_survive_a_new_worker():
+    env = get_task("sokoban")
+    actions = {seed: ["up\n", "left\n", "down\n", "right\n", "up\n"] for seed in range(6)}
+    with VerifierPool(VerifierSpec("sokoban", CODEC), workers=2) as pool:
+        for turn in range(5):
+            moved = pool.step([(("t", s), s, actions[s][: turn + 1]) for s in range(6)])
+            for s, v in zip(range(6), moved):
+                rewards, observations, _ = env.replay(s, actions[s][: turn + 1])
+                if len(rewards) <= turn:  # over before this turn: the pool was not asked
+                    continue
+                assert v.rewards == [rewards[turn]] and not v.failed
+                assert v.observation in (observations[turn], None)
+            if turn == 2:  # every worker replaced: the games are replayed from their actions
+                for w in pool.workers:
+                    w.proc.kill()
+
+
+def test_a_move_that_hangs_spins_or_dies_ends_its_game_with_nothing_else():
+    spec = VerifierSpec(HOSTILE_GAME, CODEC, time_limit_s=1.0)
+    seeds = list(range(8))  # two games of each kind
+    with VerifierPool(spec, workers=2) as pool:
+        t0 = time.monotonic()
+        first = pool.step([(s, s, ["a\n"]) for s in seeds])
+        second = pool.step([(s, s, ["a\n", "b\n"]) for s in seeds])
+        took = time.monotonic() - t0
+        assert all(v.rewards == [0.25] and v.observation == "ok\n>" for v in first)
+        for s, v in zip(seeds, second):
+            if s % 4 == 0:
+                assert v.rewards == [0.25] and v.observation == "ok\n>" and not v.failed
+            else:  # over: no observation, counted
+                assert v.observation is None and v.rewards == [0.0]
+                assert set(v.failed) == {"timeout" if s % 4 in (1, 2) else "crash"}
+        assert pool.failures == {"timeout": 4, "crash": 2}
+        # the fair games play on
+        third = pool.step([(s, s, ["a\n", "b\n", "c\n"]) for s in (0, 4)])
+        assert [v.observation for v in third] == ["ok\n>"] * 2
+    assert took < 30
+
+
+def test_a_sampler_playing_a_hanging_environment_finishes_its_episodes(tiny_saved):
+    """`rollout` of a multi-turn environment with a pool: games whose move hangs end after
+    that turn with return 0; the others play to the end."""
+    from echorl.config import SamplingConfig
+    from echorl.models import load_policy
+    from echorl.rollout.generate import rollout
+    from echorl.rollout.hf import HFBackend
+
+    env = get_task(HOSTILE_GAME)
+    backend = HFBackend(*load_policy(tiny_saved))
+    problems = [env.problem(s) for s in range(4)]
+    params = SamplingConfig(temperature=1.0)
+    ids = backend.codec.encode_prompts([p.prompt for p in problems], params)
+    with VerifierPool(VerifierSpec(HOSTILE_GAME, CODEC, time_limit_s=1.0)) as pool:
+        groups = rollout(backend, env, problems, ids, 2, params, seed=0, scorer=pool)
+    fair, *hostile = groups
+    for c, r in zip(fair.completions, fair.rewards):  # played on until done or the model quit
+        assert r == 0.25 * len(c.turns)
+    for g in hostile:
+        for c, r in zip(g.completions, g.rewards):
+            assert len(c.turns) <= 2
+            assert r == (0.25 if len(c.turns) == 1 else 0.0)
