@@ -1,21 +1,25 @@
 """Benchmark: broker ingest under a swarm. N simulated samplers push scored groups (G = 8,
-64-256 tokens each, one group per push) while a trainer pulls and acks; the broker is a
-real `echorl broker` process with its verifier pool.
+64-256 tokens each; one group per push, or `--per-push K` per push-batch) while a trainer
+pulls and acks; the broker is a real `echorl broker` process with its verifier pool.
 
-    python bench/broker.py [--samplers 1 8 64 256] [--seconds 8] [--tasks add math_word]
+    python bench/broker.py [--samplers 1 8 64 256] [--per-push 1 8] [--seconds 8]
+                           [--tasks add math_word]
 
-Per (task, N): groups stored/s, groups scored/s (ready for the trainer), push latency
+Per (task, K, N): groups stored/s, groups scored/s (ready for the trainer), push latency
 p50/p99, the trainer's pull and ack p99, and the verifier pool's utilisation. Targets
 (2 cores, task add, N = 64): >= 2,000 groups/s, push p99 < 50 ms, pull/ack p99 < 50 ms.
-The samplers and the trainer are asyncio tasks in this process, which shares the
-machine's cores with the broker. Writes bench/results/broker.json and prints a table.
+The samplers are asyncio tasks in this process, the trainer runs in a process of its
+own (as in a run); both share the machine's cores with the broker and its verifiers.
+Writes bench/results/broker.json and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import multiprocessing as mp
 import os
 import random
 import statistics
@@ -83,7 +87,9 @@ class Stats:
         self.errors = 0
 
 
-async def sampler(url: str, task, stats: Stats, stop: asyncio.Event, k: int, pool) -> None:
+async def sampler(
+    url: str, task, stats: Stats, stop: asyncio.Event, k: int, pool, per_push: int
+) -> None:
     rng = random.Random(k)
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         reply = await http.post(
@@ -95,25 +101,39 @@ async def sampler(url: str, task, stats: Stats, stop: asyncio.Event, k: int, poo
         http.headers["Authorization"] = f"Bearer {me['credential']}"
         sid = me["sampler_id"]
         while not stop.is_set():
-            r = await http.post("/v1/jobs/lease", json={"sampler_id": sid, "n": 4, "wait_s": 1})
-            for job in r.json().get("jobs", []):
-                comps = ",".join(rng.choice(pool) for _ in range(G))
-                body = (
-                    f'{{"sampler_id":"{sid}","group":{{"job_id":{job["job_id"]},"version":0,'
-                    f'"prompt_ids":{json.dumps(job["prompt_ids"])},"completions":[{comps}],'
-                    f'"rewards":{json.dumps([0.0] * G)}}}}}'
-                )
+            r = await http.post(
+                "/v1/jobs/lease", json={"sampler_id": sid, "n": max(4, per_push), "wait_s": 1}
+            )
+            jobs = r.json().get("jobs", [])
+            for i in range(0, len(jobs), per_push):
+                groups = [
+                    f'{{"job_id":{job["job_id"]},"version":0,'
+                    f'"prompt_ids":{json.dumps(job["prompt_ids"])},'
+                    f'"completions":[{",".join(rng.choice(pool) for _ in range(G))}],'
+                    f'"rewards":{json.dumps([0.0] * G)}}}'
+                    for job in jobs[i : i + per_push]
+                ]
+                if per_push == 1:
+                    path, body = "/v1/rollouts", f'{{"sampler_id":"{sid}","group":{groups[0]}}}'
+                else:
+                    path = "/v1/rollouts/batch"
+                    body = f'{{"sampler_id":"{sid}","groups":[{",".join(groups)}]}}'
                 t0 = time.perf_counter()
                 r = await http.post(
-                    "/v1/rollouts", content=body, headers={"Content-Type": "application/json"}
+                    path, content=body, headers={"Content-Type": "application/json"}
                 )
                 if stop.is_set():
                     break
                 stats.push.append(time.perf_counter() - t0)
-                if r.status_code == 200 and r.json()["stored"]:
-                    stats.stored += 1
+                if r.status_code != 200:
+                    stats.errors += len(groups)
+                elif per_push == 1:
+                    stats.stored += r.json()["stored"]
+                    stats.errors += not r.json()["stored"]
                 else:
-                    stats.errors += 1
+                    stored = sum(x["stored"] for x in r.json()["results"])
+                    stats.stored += stored
+                    stats.errors += len(groups) - stored
 
 
 async def trainer(url: str, stats: Stats, stop: asyncio.Event) -> None:
@@ -133,17 +153,39 @@ async def trainer(url: str, stats: Stats, stop: asyncio.Event) -> None:
             stats.pulled += len(ids)
 
 
+def trainer_process(url: str, warm_s: float, seconds: float, out) -> None:
+    """The trainer in a process of its own, as in a run: its latencies are the broker's,
+    not those of the samplers' event loop."""
+
+    async def main():
+        stats, stop = Stats(), asyncio.Event()
+        task = asyncio.create_task(trainer(url, stats, stop))
+        await asyncio.sleep(warm_s)
+        stats.__init__()
+        await asyncio.sleep(seconds)
+        stop.set()
+        await task
+        out.put({"pull": stats.pull, "ack": stats.ack, "pulled": stats.pulled})
+
+    asyncio.run(main())
+
+
 def p(xs: list[float], q: int) -> float:
     if len(xs) < 2:
         return xs[0] * 1000 if xs else float("nan")
     return statistics.quantiles(xs, n=100)[q - 1] * 1000
 
 
-async def measure(url: str, task, n: int, seconds: float) -> dict:
+async def measure(url: str, task, n: int, seconds: float, per_push: int) -> dict:
     stats, stop = Stats(), asyncio.Event()
     pool = completions(task, random.Random(0))
-    tasks = [asyncio.create_task(sampler(url, task, stats, stop, k, pool)) for k in range(n)]
-    tasks.append(asyncio.create_task(trainer(url, stats, stop)))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    trainer_proc = ctx.Process(target=trainer_process, args=(url, 1.0, seconds, results))
+    trainer_proc.start()
+    tasks = [
+        asyncio.create_task(sampler(url, task, stats, stop, k, pool, per_push)) for k in range(n)
+    ]
     await asyncio.sleep(1.0)  # warm-up: registrations, first leases
     stats.__init__()
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TRAINER}"}) as h:
@@ -152,8 +194,11 @@ async def measure(url: str, task, n: int, seconds: float) -> dict:
         await asyncio.sleep(seconds)
         wall = time.perf_counter() - t0
         after = (await h.get("/v1/status")).json()
+    trained = await asyncio.to_thread(results.get, True, 120)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
+    trainer_proc.join(30)
+    stats.pull, stats.ack, stats.pulled = trained["pull"], trained["ack"], trained["pulled"]
 
     def scored(st):
         return sum(v for k, v in st["rollouts"].items() if k != "scoring")
@@ -161,6 +206,7 @@ async def measure(url: str, task, n: int, seconds: float) -> dict:
     return {
         "task": task.name,
         "samplers": n,
+        "per_push": per_push,
         "stored_per_s": stats.stored / wall,
         "scored_per_s": (scored(after) - scored(before)) / wall,
         "pulled_per_s": stats.pulled / wall,
@@ -173,10 +219,32 @@ async def measure(url: str, task, n: int, seconds: float) -> dict:
     }
 
 
+def run_one(task, n: int, per_push: int, args) -> dict:
+    """One row: a fresh broker (its own data dir), v0 published, then the swarm."""
+    with tempfile.TemporaryDirectory() as data:
+        port = free_port()
+        proc = start_broker(data, port, task.name, args.workers)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            blob = b"weights"
+            headers = {
+                "Authorization": f"Bearer {TRAINER}",
+                "X-Sha256": hashlib.sha256(blob).hexdigest(),
+            }
+            httpx.put(f"{url}/v1/weights/0", content=blob, headers=headers).raise_for_status()
+            return asyncio.run(measure(url, task, n, args.seconds, per_push))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samplers", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument(
+        "--per-push", type=int, nargs="+", default=[1], help="groups per push (>1: push-batch)"
+    )
     ap.add_argument("--tasks", nargs="+", default=["add", "math_word"])
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="verify.workers")
     ap.add_argument("--out", default="bench/results/broker.json")
@@ -184,28 +252,11 @@ def main() -> None:
     rows = []
     for name in args.tasks:
         task = get_task(name)
-        for n in args.samplers:
-            with tempfile.TemporaryDirectory() as data:
-                port = free_port()
-                proc = start_broker(data, port, name, args.workers)
-                try:
-                    url = f"http://127.0.0.1:{port}"
-                    with httpx.Client(base_url=url) as h:
-                        body = b"weights"
-                        import hashlib
-
-                        sha = hashlib.sha256(body).hexdigest()
-                        h.put(
-                            "/v1/weights/0",
-                            content=body,
-                            headers={"Authorization": f"Bearer {TRAINER}", "X-Sha256": sha},
-                        )
-                    rows.append(asyncio.run(measure(url, task, n, args.seconds)))
-                    print(rows[-1], flush=True)
-                finally:
-                    proc.terminate()
-                    proc.wait(30)
-    table = Table(title=f"broker ingest ({os.cpu_count()} cores, G = {G}, one group per push)")
+        for per_push in args.per_push:
+            for n in args.samplers:
+                rows.append(run_one(task, n, per_push, args))
+                print(rows[-1], flush=True)
+    table = Table(title=f"broker ingest ({os.cpu_count()} cores, G = {G})")
     cols = list(rows[0])
     for c in cols:
         table.add_column(c)

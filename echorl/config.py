@@ -233,6 +233,13 @@ class BrokerConfig(_Section):
         "(a sampler that hoards leases and never pushes cannot take every admitted job)",
     )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest JSON body accepted")
+    push_slots: int = Field(
+        4,
+        ge=1,
+        le=1024,
+        description="pushes processed at once (more wait, read but not parsed): keeps the "
+        "trainer's pull and ack quick under a swarm",
+    )
     max_weights_bytes: int = Field(64 << 30, ge=1024, description="largest weights upload accepted")
     keep_versions: int = Field(3, ge=1, le=10000, description="weight versions kept on disk")
     sampler_dtype: Literal["float32", "bfloat16", "float16"] = Field(

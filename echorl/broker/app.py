@@ -41,9 +41,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
         reaper = asyncio.create_task(expire_forever(st))
         yield
         reaper.cancel()
-        st.writer.shutdown()
-        st.trainer_io.shutdown()
-        st.verifier.close()
+        st.verifier.close()  # its last verdicts go through the writer
+        st.writer.close()
         st.store.close()
 
     app = FastAPI(title="echorl broker", version="1", lifespan=lifespan)
@@ -61,16 +60,23 @@ async def expire_forever(st: BrokerState) -> None:
     while True:
         await asyncio.sleep(1.0)
         b = st.cfg.broker
-        returned, _ = st.store.expire(time.time(), b.sampler_timeout, b.lease_seconds)
+        expire = st.store.expire
+        returned, _ = await st.write(expire, time.time(), b.sampler_timeout, b.lease_seconds)
         if returned:
             st.jobs_bell.ring()
         st.groups_bell.ring()
 
 
+PUSHES = ("/v1/rollouts", "/v1/rollouts/batch")
+
+
 class Gate:
     """Before any route reads a byte of the body: every /v1 call carries a token somebody
     holds (401 otherwise), and no body exceeds the limit (413), whether it announces its
-    length or streams it chunked (counted as it arrives)."""
+    length or streams it chunked (counted as it arrives). A push is read whole, then
+    waits for one of `broker.push_slots`: however many samplers push at once, only so many
+    are in progress, so the event loop stays quick for the trainer and the leases (and a
+    push on a slow link holds no slot while it uploads)."""
 
     def __init__(self, app):
         self.app = app
@@ -84,8 +90,7 @@ class Gate:
         limit = b.max_weights_bytes if path.startswith("/v1/weights/") else b.max_body_bytes
         size = headers.get(b"content-length", b"").decode("latin-1")
         if size and (not size.isdigit() or int(size) > limit):
-            reply = {"detail": f"body of {size} bytes exceeds the limit of {limit}"}
-            return await JSONResponse(reply, 413)(scope, receive, send)
+            return await too_large(f"body of {size} bytes exceeds", limit)(scope, receive, send)
         if path.startswith("/v1/"):
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             try:
@@ -103,7 +108,26 @@ class Gate:
                 raise HTTPException(413, f"body exceeds the limit of {limit} bytes")
             return message
 
-        await self.app(scope, counted, send)
+        if path not in PUSHES:
+            return await self.app(scope, counted, send)
+        read = []
+        try:
+            while not read or read[-1].get("more_body", False):
+                read.append(await counted())
+                if read[-1]["type"] != "http.request":  # the client went away
+                    break
+        except HTTPException:
+            return await too_large("body exceeds", limit)(scope, receive, send)
+
+        async def replay():
+            return read.pop(0) if read else await receive()
+
+        async with st.push_slots:
+            await self.app(scope, replay, send)
+
+
+def too_large(what: str, limit: int) -> JSONResponse:
+    return JSONResponse({"detail": f"{what} the limit of {limit} bytes"}, 413)
 
 
 async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:

@@ -161,7 +161,7 @@ async def lease(
             body.sampler_id, body.n, g, now, b.lease_seconds, admit=st.admission, max_held=max_held
         )
 
-    jobs = await st.jobs_bell.poll(body.wait_s, attempt)
+    jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)
     # Read after the lease: at least the version its admission budget was computed with.
     version = st.store.latest_version()
     return LeaseReply(jobs=jobs, latest_version=version, latest=st.stored_version(version))
@@ -258,7 +258,7 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
         n_dropped += n
         return groups
 
-    groups = await st.groups_bell.poll(body.wait_s, attempt, st.trainer_io)
+    groups = await st.groups_bell.poll(body.wait_s, attempt, st.writer.trainer)
     st.metrics.dropped.inc(n_dropped)
     # The groups as stored (validated when pushed): a PullReply, written without re-encoding.
     reply = f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped}}}'

@@ -9,8 +9,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from echorl.broker.auth import Auth
 from echorl.broker.store import Admission, BrokerStore, Quarantine
 from echorl.broker.weights import WeightStore
+from echorl.broker.writer import Writer
 from echorl.config import ModelConfig, RunConfig
 from echorl.models.tokenizer import RunTokenizer, TokenizerError
 from echorl.protocol import (
@@ -58,9 +59,9 @@ class Bell:
         self.event = asyncio.Event()
 
     async def poll(
-        self, wait_s: float, attempt: Callable[[], T], pool: ThreadPoolExecutor | None = None
+        self, wait_s: float, attempt: Callable[[], T], pool: Executor | None = None
     ) -> T:
-        """Run `attempt` (blocking, on a thread of `pool`, else the default one) until it
+        """Run `attempt` (blocking, in `pool`, else on the loop's default threads) until it
         returns something non-empty, trying again after each ring; after `wait_s` without a
         ring, the last result stands."""
         deadline = time.monotonic() + wait_s
@@ -125,23 +126,18 @@ class BrokerState:
     jobs_bell: Bell  # samplers wait for admitted jobs (a new version, a returned lease)
     groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
     verifier: VerifierPool  # the broker's own rewards, off the request path
-    # Store work by who asks: samplers' pushes on one writer thread (no convoy of request
-    # threads on the store's lock), the trainer's pulls and acks on a thread of their own
-    # (sampler traffic never queues in front of them).
-    writer: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="store-writer")
-    )
-    trainer_io: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="trainer-io")
-    )
+    # Store calls of the hot routes run on one writer thread, batched into group commits;
+    # the trainer's lane goes first (sampler traffic never queues in front of it).
+    writer: Writer
+    push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
 
     async def write(self, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` on the writer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
+        """`fn(*args)` in the samplers' lane of the writer; returns once committed."""
+        return await asyncio.wrap_future(self.writer.samplers.submit(fn, *args))
 
     async def for_trainer(self, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` on the trainer's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.trainer_io, fn, *args)
+        """`fn(*args)` in the trainer's lane of the writer; returns once committed."""
+        return await asyncio.wrap_future(self.writer.trainer.submit(fn, *args))
 
     def verify_later(self, seed: int, created: float, group: ScoredGroup) -> None:
         """Score a stored group in the verifier pool: the sampler's claims are never trusted.
@@ -155,9 +151,10 @@ class BrokerState:
                 self.metrics.verifier_failures.labels(self.task.name, kind).inc(n)
             if v.refused:
                 log.warning("the group for job %d is refused: %s", job_id, v.refused)
-        ready, refused = self.store.scored(
-            [(job_id, created, None if v.refused else v.rewards) for (job_id, created), v in pairs]
-        )
+        verdicts = [
+            (job_id, created, None if v.refused else v.rewards) for (job_id, created), v in pairs
+        ]
+        ready, refused = self.writer.samplers.submit(self.store.scored, verdicts).result()
         self.metrics.pushed.inc(ready)
         self.metrics.refused.inc(refused)
         self.metrics.verifier_busy.set(self.verifier.utilisation())
@@ -323,6 +320,8 @@ def build_state(cfg: RunConfig) -> BrokerState:
         jobs_bell=Bell(),
         groups_bell=Bell(),
         verifier=verifier,
+        writer=Writer(store),
+        push_slots=asyncio.Semaphore(b.push_slots),
     )
     for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group)

@@ -35,6 +35,7 @@ import statistics
 import threading
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,7 @@ class BrokerStore:
         self.vocab_size, self.max_attempts = vocab_size, max_attempts
         # One connection shared by the server's threads; the lock serialises its transactions.
         self.lock = threading.RLock()
+        self._batching = False  # a `batch` transaction is open (read by the lock's holder)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
@@ -180,19 +182,48 @@ class BrokerStore:
                 "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1)"
             )
         )
+        self._latest: int = self.db.execute(
+            "SELECT value FROM meta WHERE key = 'latest_version'"
+        ).fetchone()[0]
 
     def _tx(self, fn):
-        """Run `fn(cursor)` in one IMMEDIATE transaction (writers serialise, readers never block)."""
+        """Run `fn(cursor)` in one IMMEDIATE transaction (writers serialise, readers never
+        block); inside `batch` on this thread, on a savepoint of the batch's transaction."""
         with self.lock:
             cur = self.db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
+            begin, commit, undo = (
+                ("SAVEPOINT call", "RELEASE call", "ROLLBACK TO call; RELEASE call")
+                if self._batching
+                else ("BEGIN IMMEDIATE", "COMMIT", "ROLLBACK")
+            )
+            cur.execute(begin)
             try:
                 out = fn(cur)
             except BaseException:
-                cur.execute("ROLLBACK")
+                for statement in undo.split("; "):
+                    cur.execute(statement)
                 raise
-            cur.execute("COMMIT")
+            cur.execute(commit)
             return out
+
+    @contextmanager
+    def batch(self):
+        """Every method called in the block (on this thread) in one transaction, committed at
+        its end: group commit. Each is still all or nothing (its own savepoint); a failure
+        of the commit itself undoes them all."""
+        with self.lock:
+            cur = self.db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            self._batching = True
+            try:
+                yield
+                cur.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    cur.execute("ROLLBACK")
+                raise
+            finally:
+                self._batching = False
 
     def close(self) -> None:
         self.db.close()
@@ -200,11 +231,9 @@ class BrokerStore:
     # -- versions -----------------------------------------------------------------------------
 
     def latest_version(self) -> int:
-        """The newest published version; -1 before the trainer publishes v0."""
-        with self.lock:
-            return self.db.execute(
-                "SELECT value FROM meta WHERE key = 'latest_version'"
-            ).fetchone()[0]
+        """The newest published version; -1 before the trainer publishes v0. (Kept in memory:
+        every lease reads it, never waiting for the store's lock.)"""
+        return self._latest
 
     def set_latest_version(self, version: int) -> None:
         def fn(c):
@@ -214,6 +243,7 @@ class BrokerStore:
             c.execute("UPDATE meta SET value = ? WHERE key = 'latest_version'", (version,))
 
         self._tx(fn)
+        self._latest = version
 
     # -- samplers -----------------------------------------------------------------------------
 
@@ -892,7 +922,9 @@ class BrokerStore:
                 "latest_version": keep_version,
             }
 
-        return self._tx(fn)
+        counts = self._tx(fn)
+        self._latest = keep_version
+        return counts
 
     def referenced_versions(self) -> set[int]:
         """Versions that leased sync jobs still require (their weights must stay downloadable)."""

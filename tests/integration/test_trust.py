@@ -338,3 +338,44 @@ def test_a_broker_killed_mid_upload_serves_no_partial_version(tmp_path):
 def _ignore(fn):
     with contextlib.suppress(httpx.HTTPError):  # the broker dies under it, on purpose
         fn()
+
+
+def test_a_push_on_a_slow_link_holds_no_slot(tmp_path):
+    """With one push slot, a sampler uploading its push slowly does not hold it: another
+    sampler's push is stored meanwhile, and the slow one is stored once it has arrived."""
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.push_slots=1")
+    try:
+        publish(url, 0, b"w")
+        slow_id, quick_id = register(url, "slow"), register(url, "quick")
+        (slow_job,) = lease(url, slow_id).json()["jobs"]
+        (quick_job,) = lease(url, quick_id).json()["jobs"]
+        body = httpx.Request("POST", "/", json=answer(slow_job, "1", "2", sid=slow_id)).content
+        uploading = threading.Event()
+        sent_all = threading.Event()
+        replies = {}
+
+        def trickle():  # the body in 8 pieces, 0.4 s apart
+            for i in range(0, len(body), len(body) // 8 + 1):
+                uploading.set()
+                yield body[i : i + len(body) // 8 + 1]
+                time.sleep(0.4)
+            sent_all.set()
+
+        def push_slowly():
+            headers = as_(slow_id) | {"Content-Type": "application/json"}
+            replies["slow"] = httpx.post(
+                f"{url}/v1/rollouts", content=trickle(), headers=headers, timeout=60
+            )
+
+        t = threading.Thread(target=push_slowly)
+        t.start()
+        uploading.wait(10)
+        quick = answer(quick_job, "3", "4", sid=quick_id)
+        r = httpx.post(f"{url}/v1/rollouts", json=quick, headers=as_(quick_id), timeout=60)
+        assert r.status_code == 200 and r.json()["stored"]
+        assert not sent_all.is_set()  # stored while the slow push was still arriving
+        t.join(60)
+        assert replies["slow"].status_code == 200 and replies["slow"].json()["stored"]
+        wait_until(lambda: query(tmp_path / "b", "SELECT COUNT(*) FROM rollouts") == [(2,)])
+    finally:
+        stop_broker(proc)
