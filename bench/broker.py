@@ -85,6 +85,7 @@ class Stats:
         self.stored = 0
         self.pulled = 0
         self.errors = 0
+        self.empty = 0  # pulls that found nothing ready
 
 
 async def sampler(
@@ -145,6 +146,7 @@ async def trainer(url: str, stats: Stats, stop: asyncio.Event) -> None:
             stats.pull.append(time.perf_counter() - t0)
             ids = [g["job_id"] for g in r.json()["groups"]]
             if not ids:
+                stats.empty += 1
                 await asyncio.sleep(0.01)
                 continue
             t0 = time.perf_counter()
@@ -153,19 +155,22 @@ async def trainer(url: str, stats: Stats, stop: asyncio.Event) -> None:
             stats.pulled += len(ids)
 
 
-def trainer_process(url: str, warm_s: float, seconds: float, out) -> None:
-    """The trainer in a process of its own, as in a run: its latencies are the broker's,
-    not those of the samplers' event loop."""
+def trainer_process(url: str, begin, end, out) -> None:
+    """The trainer in a process of its own, as in a run (its latencies are the broker's, not
+    the samplers' event loop's); it pulls from the start and measures from `begin` to `end`
+    (the samplers' window)."""
 
     async def main():
         stats, stop = Stats(), asyncio.Event()
         task = asyncio.create_task(trainer(url, stats, stop))
-        await asyncio.sleep(warm_s)
+        await asyncio.to_thread(begin.wait)
         stats.__init__()
-        await asyncio.sleep(seconds)
+        await asyncio.to_thread(end.wait)
         stop.set()
         await task
-        out.put({"pull": stats.pull, "ack": stats.ack, "pulled": stats.pulled})
+        out.put(
+            {"pull": stats.pull, "ack": stats.ack, "pulled": stats.pulled, "empty": stats.empty}
+        )
 
     asyncio.run(main())
 
@@ -180,18 +185,21 @@ async def measure(url: str, task, n: int, seconds: float, per_push: int) -> dict
     stats, stop = Stats(), asyncio.Event()
     pool = completions(task, random.Random(0))
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    trainer_proc = ctx.Process(target=trainer_process, args=(url, 1.0, seconds, results))
+    results, begin, end = ctx.Queue(), ctx.Event(), ctx.Event()
+    trainer_proc = ctx.Process(target=trainer_process, args=(url, begin, end, results))
     trainer_proc.start()
     tasks = [
         asyncio.create_task(sampler(url, task, stats, stop, k, pool, per_push)) for k in range(n)
     ]
-    await asyncio.sleep(1.0)  # warm-up: registrations, first leases
+    while stats.stored < 4 * n:  # warm-up: every sampler registered and pushing
+        await asyncio.sleep(0.1)
     stats.__init__()
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TRAINER}"}) as h:
         before = (await h.get("/v1/status")).json()
+        begin.set()
         t0 = time.perf_counter()
         await asyncio.sleep(seconds)
+        end.set()
         wall = time.perf_counter() - t0
         after = (await h.get("/v1/status")).json()
     trained = await asyncio.to_thread(results.get, True, 120)
@@ -199,6 +207,7 @@ async def measure(url: str, task, n: int, seconds: float, per_push: int) -> dict
     await asyncio.gather(*tasks, return_exceptions=True)
     trainer_proc.join(30)
     stats.pull, stats.ack, stats.pulled = trained["pull"], trained["ack"], trained["pulled"]
+    stats.empty = trained["empty"]
 
     def scored(st):
         return sum(v for k, v in st["rollouts"].items() if k != "scoring")
@@ -213,6 +222,8 @@ async def measure(url: str, task, n: int, seconds: float, per_push: int) -> dict
         "push_p50_ms": p(stats.push, 50),
         "push_p99_ms": p(stats.push, 99),
         "pull_p99_ms": p(stats.pull, 99),
+        "pulls": len(stats.pull),
+        "empty_pulls": stats.empty,
         "ack_p99_ms": p(stats.ack, 99),
         "verifier_busy": after["verifier_busy"],
         "refused": stats.errors,

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -145,7 +145,9 @@ class BrokerState:
         self.verifier.submit((group.job_id, created), seed, group.completions, self.on_scored)
 
     def on_scored(self, pairs: list[tuple[tuple[int, float], Verdict]]) -> None:
-        """Verdicts of one worker batch, stored in one transaction (on the pool's thread)."""
+        """Verdicts of one worker batch (on the pool's thread), stored in one transaction in
+        the trainer's lane: what makes groups ready never queues behind the swarm's pushes,
+        and the pool goes on scoring meanwhile."""
         for (job_id, _), v in pairs:
             for kind, n in v.failed.items():
                 self.metrics.verifier_failures.labels(self.task.name, kind).inc(n)
@@ -154,7 +156,14 @@ class BrokerState:
         verdicts = [
             (job_id, created, None if v.refused else v.rewards) for (job_id, created), v in pairs
         ]
-        ready, refused = self.writer.samplers.submit(self.store.scored, verdicts).result()
+        self.writer.trainer.submit(self.store.scored, verdicts).add_done_callback(self._stored)
+
+    def _stored(self, future: Future) -> None:
+        try:
+            ready, refused = future.result()
+        except Exception:  # the store failed; the groups stay `scoring`, re-scored at start
+            log.exception("verdicts could not be stored")
+            return
         self.metrics.pushed.inc(ready)
         self.metrics.refused.inc(refused)
         self.metrics.verifier_busy.set(self.verifier.utilisation())
