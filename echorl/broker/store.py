@@ -83,6 +83,12 @@ CREATE TABLE IF NOT EXISTS rollouts (
 CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
 """
 
+# A job tried again: an attempt counted, parked after `max_attempts` (the one parameter).
+RETRY = (
+    "state = CASE WHEN attempts + 1 >= ? THEN 'parked' ELSE 'queued' END, "
+    "attempts = attempts + 1, lease_owner = NULL, lease_deadline = NULL"
+)
+
 
 @dataclass(frozen=True)
 class Quarantine:
@@ -180,6 +186,13 @@ class BrokerStore:
         self._tx(
             lambda c: c.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1)"
+            )
+        )
+        # Consumed groups are most of the table and only ever grow: counted, not scanned.
+        self._tx(
+            lambda c: c.execute(
+                "INSERT OR IGNORE INTO meta SELECT 'consumed', COUNT(*) FROM rollouts "
+                "WHERE state = 'consumed'"
             )
         )
         self._latest: int = self.db.execute(
@@ -357,8 +370,7 @@ class BrokerStore:
                 (now + bar_s, now),
             )
             returned = c.execute(
-                "UPDATE jobs SET state = CASE WHEN attempts + 1 >= ? THEN 'parked' ELSE 'queued' END, "
-                "attempts = attempts + 1, lease_owner = NULL, lease_deadline = NULL "
+                f"UPDATE jobs SET {RETRY} "
                 "WHERE state = 'leased' AND (lease_deadline < ? OR lease_owner IN "
                 "(SELECT id FROM samplers WHERE state != 'alive'))",
                 (self.max_attempts, now),
@@ -534,7 +546,8 @@ class BrokerStore:
             return 0
         out = c.execute(
             "SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'leased') + "
-            "(SELECT COUNT(*) FROM rollouts WHERE state != 'stale')"
+            "(SELECT COUNT(*) FROM rollouts WHERE state IN ('scoring', 'ready', 'pulled')) + "
+            "(SELECT value FROM meta WHERE key = 'consumed')"
         ).fetchone()[0]
         return (latest + admit.max_staleness + 1) * admit.batch - out
 
@@ -626,10 +639,7 @@ class BrokerStore:
                     ).rowcount
                     if gone:
                         c.execute(
-                            "UPDATE jobs SET state = CASE WHEN attempts + 1 >= ? THEN 'parked' "
-                            "ELSE 'queued' END, attempts = attempts + 1, lease_owner = NULL "
-                            "WHERE job_id = ?",
-                            (self.max_attempts, job_id),
+                            f"UPDATE jobs SET {RETRY} WHERE job_id = ?", (self.max_attempts, job_id)
                         )
                     refused += gone
                 else:
@@ -735,6 +745,7 @@ class BrokerStore:
                     (step, job_id),
                 )
                 done += 1
+            c.execute("UPDATE meta SET value = value + ? WHERE key = 'consumed'", (done,))
             return done
 
         return self._tx(fn)
@@ -915,6 +926,10 @@ class BrokerStore:
                 "required_version = NULL WHERE state = 'leased'"
             ).rowcount
             c.execute("UPDATE meta SET value = ? WHERE key = 'latest_version'", (keep_version,))
+            c.execute(
+                "UPDATE meta SET value = (SELECT COUNT(*) FROM rollouts WHERE state = 'consumed') "
+                "WHERE key = 'consumed'"
+            )
             return {
                 "returned": len(returned) + pulled,
                 "regenerated": len(orphans),

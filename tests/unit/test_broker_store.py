@@ -325,6 +325,8 @@ def test_admission_keeps_out_only_what_the_bound_lets_the_trainer_consume(s):
         push(s, a, group(s, j.job_id), [1.0, 0.0], now=1)
     pulled, _ = s.pull(2, now=2, lease_seconds=10, min_version=0)
     s.ack([g.job_id for g in pulled], step=0)
+    s.ack([g.job_id for g in pulled], step=0)  # a retried ack counts nothing twice
+    assert consumed_counter(s) == 2
     assert s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit) == []  # consumed still count
     s.set_latest_version(1)
     assert len(s.lease(a, 9, 2, now=3, lease_seconds=10, admit=admit)) == 2
@@ -365,8 +367,16 @@ def test_rewind_returns_what_the_dead_trainer_consumed_and_forgets_its_versions(
     assert s.latest_version() == 1
     assert s.counts()["rollouts"] == {"consumed": 2, "ready": 2}
     assert s.counts()["jobs"] == {"done": 4, "queued": 3}  # jobs 4, 5 (v2) and 6 again
+    assert consumed_counter(s) == 2  # what admission counts, without a scan
     with pytest.raises(ProtocolError, match="behind the checkpoint"):
         s.rewind(5, {0, 1}, keep_version=5)
+
+
+def consumed_counter(s):
+    counted = s.db.execute("SELECT value FROM meta WHERE key = 'consumed'").fetchone()[0]
+    scanned = s.db.execute("SELECT COUNT(*) FROM rollouts WHERE state = 'consumed'").fetchone()
+    assert counted == scanned[0]
+    return counted
 
 
 def test_a_job_whose_problem_cannot_be_made_is_parked_and_the_lease_goes_on(tmp_path):
