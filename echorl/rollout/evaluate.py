@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from echorl.config import SamplingConfig
+from echorl.rollout.backend import Backend
 from echorl.rollout.generate import rollout
-from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import VerifierPool
 from echorl.tasks import Task, take
 from echorl.tasks.base import success
@@ -29,7 +29,7 @@ class EvalResult:
 
 
 def evaluate(
-    backend: HFBackend,
+    backend: Backend,
     task: Task,
     n: int,
     seed: int = 0,

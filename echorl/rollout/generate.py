@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from echorl.config import SamplingConfig
 from echorl.protocol import Completion, ScoredGroup, Turn
-from echorl.rollout.hf import HFBackend
+from echorl.rollout.backend import Backend
 from echorl.rollout.scoring import score_group
 from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
@@ -22,7 +22,7 @@ from echorl.tasks import Environment, Problem, Task, is_environment
 
 
 def rollout(
-    backend: HFBackend,
+    backend: Backend,
     task: Task | Environment,
     problems: list[Problem],
     prompt_ids: list[list[int]],
@@ -62,7 +62,7 @@ def rollout(
 
 
 def play(
-    backend: HFBackend,
+    backend: Backend,
     env: Environment,
     problems: list[Problem],
     prompt_ids: list[list[int]],

@@ -19,7 +19,8 @@ from echorl.protocol import Completion
 
 
 class HFBackend:
-    """Generation with `model.generate`; weights can be swapped in place with `load_state_dict`."""
+    """Generation with `model.generate`; weights swapped in place (`load_weights`). One of the
+    sampler's backends (`rollout/backend.py`)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
         self.model = model
@@ -33,6 +34,13 @@ class HFBackend:
     @property
     def max_positions(self) -> int:
         return getattr(self.model.config, "max_position_embeddings", 1 << 30)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A new full version in place, cast to the model's dtype (a bf16 download into an fp32
+        model, or the other way)."""
+        dtype = next(self.model.parameters()).dtype
+        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+        self.model.load_state_dict(state, strict=True)
 
     @torch.no_grad()
     def generate_ids(

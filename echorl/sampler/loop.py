@@ -28,8 +28,8 @@ from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
 from echorl.protocol import LeaseReply, SamplerInfo, WeightVersion
+from echorl.rollout.backend import Backend
 from echorl.rollout.generate import rollout
-from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
 from echorl.tasks import get_task
@@ -44,7 +44,7 @@ class Sampler:
     def __init__(
         self,
         client: BrokerClient,
-        backend: HFBackend,
+        backend: Backend,
         cfg: RunConfig,
         name: str,
         cache: Path,
@@ -80,10 +80,7 @@ class Sampler:
             path = self.client.download(info, self.cache / f"v{version}.safetensors")
             weights = load_file(path)
             path.unlink()
-        model = self.backend.model
-        dtype = next(model.parameters()).dtype
-        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in weights.items()}
-        model.load_state_dict(state, strict=True)
+        self.backend.load_weights(weights)
         self.held = (version, info.sha256)
         log.info("%s: now holds version %d", self.name, version)
         return time.perf_counter() - t0

