@@ -299,7 +299,7 @@ def sampler(
         None, help="local HF folder with the policy's architecture and tokenizer (model.path)"
     ),
     name: str = typer.Option(None, help="sampler name (default: sampler-PID)"),
-    backend: str = typer.Option(None, help="generation engine (sampler.backend): hf"),
+    backend: str = typer.Option(None, help="generation engine (sampler.backend): hf, vllm"),
     device: str = typer.Option(None, help="cpu, cuda, mps (sampler.device)"),
     threads: int = typer.Option(None, min=1, help="torch threads (sampler.threads)"),
     jobs_per_lease: int = typer.Option(None, min=1, help="sampler.jobs_per_lease"),
@@ -327,8 +327,6 @@ def sampler(
 
     from echorl.client import BrokerClient, BrokerRejected
     from echorl.metrics import MetricsLog
-    from echorl.models import load_policy
-    from echorl.rollout.hf import HFBackend
     from echorl.rollout.verify import run_pool
     from echorl.sampler.loop import Sampler
 
@@ -337,7 +335,7 @@ def sampler(
     stop = _stop_on_signals()
     name = name or f"sampler-{os.getpid()}"
     url = broker_url or cfg.broker.address
-    backend = HFBackend(*load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device))
+    backend = _sampler_backend(cfg)
     with (
         BrokerClient(url, token, retries=10, cancel=stop) as client,
         tempfile.TemporaryDirectory() as cache,
@@ -352,6 +350,28 @@ def sampler(
             console.print(f"[red]{name}: the broker refused this sampler:[/red] {e.reason}")
             raise typer.Exit(2) from None
     console.print(f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused)")
+
+
+def _sampler_backend(cfg: RunConfig):
+    """The sampler's generation engine (`sampler.backend`), on `model.path`'s weights (the
+    broker's version replaces them before the first batch)."""
+    if cfg.sampler.backend == "vllm":
+        from echorl.broker.state import run_tokenizer
+
+        try:
+            from echorl.rollout.vllm_backend import VLLMBackend
+
+            return VLLMBackend(cfg.model.path, run_tokenizer(cfg.model), cfg.sampler.dtype)
+        except ImportError as e:
+            console.print(
+                f"[red]sampler.backend = vllm:[/red] vLLM is not installed here ({e}); "
+                "see the README's Real engines for its install"
+            )
+            raise typer.Exit(2) from None
+    from echorl.models import load_policy
+    from echorl.rollout.hf import HFBackend
+
+    return HFBackend(*load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device))
 
 
 @app.command()

@@ -329,8 +329,13 @@ class QuarantineConfig(_Section):
 class SamplerConfig(_Section):
     """A sampler process (`echorl sampler`, or each one `echorl run` starts)."""
 
-    backend: Literal["hf"] = Field(
-        "hf", description="generation engine: hf (transformers, CPU/CUDA/MPS)"
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="generation engine: hf (transformers, CPU/CUDA/MPS) or vllm (a vLLM "
+        "engine in the sampler's process; installed apart, README: Real engines)",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the vllm engine's weights and compute dtype (auto: the model's)"
     )
     jobs_per_lease: int = Field(
         16, ge=1, le=1024, description="jobs leased, and generated as one batch, at a time"

