@@ -255,7 +255,7 @@ class DecoupledTrainer:
             audit=audit if cfg.quarantine.enabled else None,
         )
         train_s = time.perf_counter() - t0
-        metrics |= self.report(audits, step)
+        metrics |= self.report(audits, step) | mismatch_by_sampler(groups, audits)
         if metrics.get("optim/nonfinite_skipped"):
             self.console.print(
                 f"[yellow]step {step}: {metrics['optim/nonfinite_skipped']:.0f} minibatches had a "
@@ -366,3 +366,21 @@ def run_trainer(
         trainer.console.print(f"trainer on cores {cores}")
     trainer.start(resume)
     return trainer.run(stop or threading.Event())
+
+
+def mismatch_by_sampler(groups: list[ScoredGroup], audits: list[GroupAudit]) -> dict[str, float]:
+    """Per sampler of this batch, its behaviour log-probs against the trainer's on its tokens:
+    `mismatch/ID/mean_abs` (mean |sampler - trainer|) and `mismatch/ID/kl` (mean of
+    sampler - trainer, an estimate of KL(sampler || trainer)). Numerics (a bf16 sampler, another
+    engine) and staleness show here; the truncated IS weight corrects for both."""
+    owner = {g.job_id: g.sampler or "unknown" for g in groups}
+    sums: dict[str, list[float]] = {}
+    for a in audits:
+        s = sums.setdefault(owner.get(a.job_id, "unknown"), [0.0, 0.0, 0.0])
+        s[0], s[1], s[2] = s[0] + a.tokens, s[1] + a.abs_delta, s[2] + a.kl
+    out = {}
+    for sampler, (tokens, abs_delta, kl) in sums.items():
+        if tokens:
+            out[f"mismatch/{sampler}/mean_abs"] = abs_delta / tokens
+            out[f"mismatch/{sampler}/kl"] = kl / tokens
+    return out

@@ -96,6 +96,9 @@ def check(tmp_path, states, logs, out, records):
             first,
             quarantined_at,
         )
+    # Every sampler's log-prob mismatch is logged per step (honest ones small).
+    logged = {k.split("/")[1] for r in records for k in r if k.startswith("mismatch/")}
+    assert {named[m] for m in HONEST} <= logged, logged
     train = [r["reward/mean"] for r in records if "reward/mean" in r]
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     return train, evals

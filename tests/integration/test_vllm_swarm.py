@@ -75,6 +75,14 @@ def test_a_vllm_sampler_beside_an_hf_sampler_learns(tmp_path, warm_add):
         assert backend == name and state == "left" and consumed >= 20, by_name  # never quarantined
         assert abs(excess_abs) < 0.05 and abs(excess_kl) < 0.05, by_name
     records = read_jsonl(tmp_path / "t" / "metrics.jsonl")
+    ids = dict(query(tmp_path / "b", "SELECT name, id FROM samplers"))
+    for name in ("hf", "vllm"):  # the mismatch per sampler, logged at the steps it served
+        logged = [
+            r[f"mismatch/{ids[name]}/mean_abs"]
+            for r in records
+            if f"mismatch/{ids[name]}/mean_abs" in r
+        ]
+        assert logged and max(logged) < 0.5, (name, logged)
     train = [r["reward/mean"] for r in records if "reward/mean" in r]
     first, last = sum(train[:10]) / 10, sum(train[-10:]) / 10
     print(f"per sampler (backend, state, consumed, excess |dlp|, excess kl): {by_name}")
