@@ -299,7 +299,8 @@ def sampler(
         None, help="local HF folder with the policy's architecture and tokenizer (model.path)"
     ),
     name: str = typer.Option(None, help="sampler name (default: sampler-PID)"),
-    backend: str = typer.Option(None, help="generation engine (sampler.backend): hf, vllm"),
+    backend: str = typer.Option(None, help="generation engine (sampler.backend): hf, vllm, openai"),
+    endpoint: str = typer.Option(None, help="the openai backend's server (sampler.endpoint)"),
     device: str = typer.Option(None, help="cpu, cuda, mps (sampler.device)"),
     threads: int = typer.Option(None, min=1, help="torch threads (sampler.threads)"),
     jobs_per_lease: int = typer.Option(None, min=1, help="sampler.jobs_per_lease"),
@@ -316,6 +317,7 @@ def sampler(
         **{
             "model.path": model,
             "sampler.backend": backend,
+            "sampler.endpoint": endpoint,
             "sampler.device": device,
             "sampler.threads": threads,
             "sampler.jobs_per_lease": jobs_per_lease,
@@ -355,6 +357,18 @@ def sampler(
 def _sampler_backend(cfg: RunConfig):
     """The sampler's generation engine (`sampler.backend`), on `model.path`'s weights (the
     broker's version replaces them before the first batch)."""
+    if cfg.sampler.backend == "openai":
+        from echorl.broker.state import run_tokenizer
+        from echorl.rollout.openai_backend import OpenAIBackend, ServerRefused
+
+        if not cfg.sampler.endpoint:
+            console.print("[red]--endpoint:[/red] the openai backend needs its server's URL")
+            raise typer.Exit(2)
+        try:
+            return OpenAIBackend(cfg.sampler.endpoint, run_tokenizer(cfg.model))
+        except ServerRefused as e:
+            console.print(f"[red]sampler.backend = openai:[/red] {e}")
+            raise typer.Exit(2) from None
     if cfg.sampler.backend == "vllm":
         from echorl.broker.state import run_tokenizer
 

