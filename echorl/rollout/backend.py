@@ -20,6 +20,9 @@ import torch
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion
+from echorl.seeding import derive_seed
+
+SEED_MASK = (1 << 31) - 1  # engine seeds are C ints on some paths (vLLM)
 
 
 class Backend(Protocol):
@@ -45,3 +48,18 @@ class Backend(Protocol):
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """A new full version (the trainer's state dict, any float dtype), in place."""
         ...
+
+
+def context_seed(seed: int, k: int) -> int:
+    """The seed of context `k` of a call: for engines that seed each request on its own."""
+    return derive_seed(seed, k) & SEED_MASK
+
+
+def completion(ids: list[int], logprobs: list[float], eos: int) -> Completion:
+    """A completion as every backend reports it: log-probs at most 0 (an engine's rounding
+    may give +1e-7), finished when the model ended it with eos."""
+    return Completion(
+        token_ids=ids,
+        logprobs=[min(0.0, lp) for lp in logprobs],
+        finished=bool(ids) and ids[-1] == eos,
+    )

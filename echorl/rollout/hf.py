@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion
+from echorl.rollout.backend import completion
 
 
 class HFBackend:
@@ -79,7 +80,7 @@ class HFBackend:
         new = out.sequences[:, enc["input_ids"].shape[1] :]  # (N, T)
         scores = torch.stack(out.scores, dim=1).float()  # (N, T, V), processed logits
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        return _cut(new.tolist(), logprobs.clamp(max=0.0).tolist(), eos, set(stops))
+        return _cut(new.tolist(), logprobs.tolist(), eos, set(stops))
 
 
 def _cut(rows: list[list[int]], lps: list[list[float]], eos: int, stops: set[int]):
@@ -87,9 +88,5 @@ def _cut(rows: list[list[int]], lps: list[list[float]], eos: int, stops: set[int
     completions = []
     for ids, lp in zip(rows, lps):
         length = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
-        completions.append(
-            Completion(
-                token_ids=ids[:length], logprobs=lp[:length], finished=ids[length - 1] == eos
-            )
-        )
+        completions.append(completion(ids[:length], lp[:length], eos))
     return completions

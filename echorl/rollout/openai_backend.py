@@ -28,9 +28,7 @@ from safetensors.torch import save_file
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion
-from echorl.seeding import derive_seed
-
-SEED_MASK = (1 << 31) - 1
+from echorl.rollout.backend import completion, context_seed
 
 
 class ServerRefused(RuntimeError):
@@ -83,10 +81,7 @@ class OpenAIBackend:
         ids = choice.get("token_ids")
         if ids is None:
             raise ServerRefused("the server returns no token ids (return_token_ids)")
-        lps = [min(0.0, lp) for lp in choice["logprobs"]["token_logprobs"]]
-        return Completion(
-            token_ids=ids, logprobs=lps, finished=bool(ids) and ids[-1] == self.codec.eos_id
-        )
+        return completion(ids, choice["logprobs"]["token_logprobs"], self.codec.eos_id)
 
     def generate_ids(
         self,
@@ -99,7 +94,7 @@ class OpenAIBackend:
         stops = [self.codec.eos_id, *stop_ids]
         futures = [
             self.pool.submit(
-                self._one, list(c), params, max_new_tokens, derive_seed(seed, k) & SEED_MASK, stops
+                self._one, list(c), params, max_new_tokens, context_seed(seed, k), stops
             )
             for k, c in enumerate(contexts)
         ]

@@ -29,9 +29,7 @@ import torch
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion
-from echorl.seeding import derive_seed
-
-SEED_MASK = (1 << 31) - 1  # vLLM seeds are C ints on some paths
+from echorl.rollout.backend import completion, context_seed
 
 
 class VLLMBackend:
@@ -83,7 +81,7 @@ class VLLMBackend:
                 top_p=1.0 if greedy else params.top_p,
                 top_k=0,  # off: the sampling distribution is the run's (temperature, top-p)
                 max_tokens=max_new_tokens,
-                seed=derive_seed(seed, k) & SEED_MASK,
+                seed=context_seed(seed, k),
                 stop_token_ids=[eos, *stop_ids],
                 ignore_eos=True,  # the model config's eos: the run's eos stops it instead
                 logprobs=0,  # the sampled token's own
@@ -97,10 +95,8 @@ class VLLMBackend:
         for out in outs:
             o = out.outputs[0]
             ids = list(o.token_ids)
-            lps = [min(0.0, o.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-            completions.append(
-                Completion(token_ids=ids, logprobs=lps, finished=bool(ids) and ids[-1] == eos)
-            )
+            lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)]
+            completions.append(completion(ids, lps, eos))
         return completions
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

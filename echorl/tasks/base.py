@@ -85,6 +85,19 @@ class Environment(Protocol):
         ...
 
 
+def play_actions(episode, actions: list[str], max_turns: int) -> tuple[list[float], list[str]]:
+    """Per-turn rewards and observations of `actions` played in `episode` (a fresh game),
+    up to `max_turns` and stopping when the game is done: the body of most `replay`s."""
+    rewards, observations = [], []
+    for text in actions[:max_turns]:
+        obs, reward, done, _ = episode.step(text)
+        rewards.append(reward)
+        observations.append(obs)
+        if done:
+            break
+    return rewards, observations
+
+
 def is_environment(task: object) -> bool:
     return isinstance(task, Environment)
 

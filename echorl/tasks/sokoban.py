@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from echorl.tasks.base import Problem, first_line
+from echorl.tasks.base import Problem, first_line, play_actions
 
 Pos = tuple[int, int]  # (row, col)
 MOVES: dict[str, Pos] = {"u": (-1, 0), "d": (1, 0), "l": (0, -1), "r": (0, 1)}
@@ -217,13 +217,8 @@ class Sokoban:
         """Per-turn rewards, observations and success of the recorded action texts, in a fresh
         copy of the environment: how the broker re-scores an episode without trusting the
         sampler. Actions after the episode ended are ignored."""
-        ep, rewards, observations = self.episode(seed), [], []
-        for text in actions[: self.max_turns]:
-            obs, reward, done, _ = ep.step(text)
-            rewards.append(reward)
-            observations.append(obs)
-            if done:
-                break
+        ep = self.episode(seed)
+        rewards, observations = play_actions(ep, actions, self.max_turns)
         return rewards, observations, ep.level.solved
 
     def demonstration(self, seed: int) -> list[str]:
