@@ -24,11 +24,12 @@ def test_queued_calls_commit_together_and_a_refusal_undoes_only_itself(s):
     jobs = s.lease(a, 3, 2, now=0, lease_seconds=100)
     commits = []
     s.db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    groups = [group(s, j.job_id) for j in jobs]  # read before the writer holds the store
+    bad = groups[0].model_copy(update={"job_id": 999})
     writer = Writer(s)
     gate = threading.Event()
     writer.samplers.submit(gate.wait)  # holds the writer while the pushes queue up
-    futures = [writer.samplers.submit(s.push, a, group(s, j.job_id), 1.0) for j in jobs]
-    bad = group(s, jobs[0].job_id).model_copy(update={"job_id": 999})
+    futures = [writer.samplers.submit(s.push, a, g, 1.0) for g in groups]
     refused = writer.samplers.submit(s.push, a, bad, 1.0)
     gate.set()
     seeds = [f.result(10) for f in futures]
