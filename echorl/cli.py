@@ -356,7 +356,11 @@ def sampler(
 
 def _sampler_backend(cfg: RunConfig):
     """The sampler's generation engine (`sampler.backend`), on `model.path`'s weights (the
-    broker's version replaces them before the first batch)."""
+    broker's version replaces them before the first batch). A LoRA run's adapters: as many
+    resident as a lease may still ask for (`max_staleness + 1`)."""
+    from echorl.models.lora import spec_of
+
+    lora, keep = spec_of(cfg.model.lora), cfg.broker.max_staleness + 1
     if cfg.sampler.backend == "openai":
         from echorl.broker.state import run_tokenizer
         from echorl.rollout.openai_backend import OpenAIBackend, ServerRefused
@@ -365,7 +369,7 @@ def _sampler_backend(cfg: RunConfig):
             console.print("[red]--endpoint:[/red] the openai backend needs its server's URL")
             raise typer.Exit(2)
         try:
-            return OpenAIBackend(cfg.sampler.endpoint, run_tokenizer(cfg.model))
+            return OpenAIBackend(cfg.sampler.endpoint, run_tokenizer(cfg.model), lora, keep)
         except ServerRefused as e:
             console.print(f"[red]sampler.backend = openai:[/red] {e}")
             raise typer.Exit(2) from None
@@ -375,7 +379,13 @@ def _sampler_backend(cfg: RunConfig):
         try:
             from echorl.rollout.vllm_backend import VLLMBackend
 
-            return VLLMBackend(cfg.model.path, run_tokenizer(cfg.model), cfg.sampler.dtype)
+            return VLLMBackend(
+                cfg.model.path,
+                run_tokenizer(cfg.model),
+                cfg.sampler.dtype,
+                lora=lora,
+                keep_adapters=keep,
+            )
         except ImportError as e:
             console.print(
                 f"[red]sampler.backend = vllm:[/red] vLLM is not installed here ({e}); "
@@ -385,7 +395,8 @@ def _sampler_backend(cfg: RunConfig):
     from echorl.models import load_policy
     from echorl.rollout.hf import HFBackend
 
-    return HFBackend(*load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device))
+    model, tokenizer = load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device)
+    return HFBackend(model, tokenizer, keep_adapters=keep)
 
 
 @app.command()

@@ -26,6 +26,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSettings(_Section):
+    """Low-rank adapters (peft): the trainer trains only them, and each version after v0 is
+    the adapter alone, applied by the samplers on v0's weights (README: LoRA)."""
+
+    rank: int = Field(0, ge=0, le=512, description="adapter rank r; 0 = off (full weights)")
+    alpha: float = Field(
+        16.0, gt=0.0, le=1e4, description="scale alpha: the update is (alpha / r) * B A"
+    )
+    targets: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names of the linear modules that get adapters (Qwen/Llama names)",
+    )
+
+
 class ModelConfig(_Section):
     path: str | None = Field(
         None, description="local HF model folder; unset = build the tiny model"
@@ -43,6 +58,7 @@ class ModelConfig(_Section):
     threads: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
     )
+    lora: LoraSettings = LoraSettings()
 
 
 class TaskConfig(_Section):

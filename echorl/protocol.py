@@ -321,13 +321,27 @@ class JobState(_Wire):
     prompt_ids: list[int]
 
 
+class LoraSpec(_Wire):
+    """The shape of an adapter-only version: what a sampler needs to apply it."""
+
+    rank: int = Field(ge=1, le=512)
+    alpha: float = Field(gt=0.0, le=1e4)
+    targets: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.]{1,100}$")]] = Field(
+        min_length=1, max_length=64
+    )
+
+
 class WeightVersion(_Wire):
-    """broker -> sampler (latest version): what a sampler needs to decide whether to pull."""
+    """broker -> sampler (latest version): what a sampler needs to decide whether to pull.
+    A `lora` version holds an adapter alone, applied on full version `base`."""
 
     version: int = Field(ge=0, le=MAX_ID)
     sha256: str = Field(pattern=SHA256_PATTERN)
     size_bytes: int = Field(ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    kind: Literal["full", "lora"] = "full"
+    base: int | None = Field(None, ge=0, le=MAX_ID)
+    lora: LoraSpec | None = None
 
 
 # -- request and reply bodies of the broker's routes (client <-> broker/routes.py) --------------

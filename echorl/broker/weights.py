@@ -3,6 +3,11 @@
     weights/v7.safetensors          what samplers download (cast to `sampler_dtype`)
     weights/v7.sha256               its sha256, served as X-Sha256 and in WeightVersion
     weights/v7.upload.sha256        the sha256 of the trainer's upload (a retry is recognised)
+    weights/v7.kind.json            what it is: full weights, or a LoRA adapter on a full version
+
+A LoRA run's versions after v0 are adapters (`echorl.kind = lora` in the file's metadata,
+`models/lora.py`); one is accepted only on a stored full version, which is then kept as
+long as a kept adapter needs it.
 
 An upload is streamed to a temporary file while it is hashed, fsynced off the
 event loop, checked against the sha256 the trainer announced, cast for the
@@ -15,13 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import safetensors
+from pydantic import ValidationError
 
-from echorl.protocol import BadRequest, NotFound, ProtocolError, TooLarge, WeightVersion
+from echorl.protocol import (
+    BadRequest,
+    LoraSpec,
+    NotFound,
+    ProtocolError,
+    TooLarge,
+    WeightVersion,
+)
+
+MAX_HEADER = 100 << 20  # safetensors' own bound on a header
 
 
 class WeightStore:
@@ -49,7 +66,14 @@ class WeightStore:
             sha256=path.with_suffix(".sha256").read_text(),
             size_bytes=path.stat().st_size,
             dtype=self.dtype,
+            **self.kind(version),
         )
+
+    def kind(self, version: int) -> dict:
+        """{"kind": "full"} or {"kind": "lora", "base": v, "lora": {...}} (a store written
+        before versions had kinds holds full ones)."""
+        mark = self.folder / f"v{version}.kind.json"
+        return json.loads(mark.read_text()) if mark.is_file() else {"kind": "full"}
 
     def is_stored_upload(self, version: int, sha256: str) -> bool:
         """Whether `version` is stored from an upload hashing to `sha256` (a retried publish)."""
@@ -86,6 +110,7 @@ class WeightStore:
     def _serve(self, upload: Path, version: int, sha256: str) -> None:
         """Put the upload in place as the samplers' file (cast when asked), its sha256 files
         first: the version is visible only once everything about it is."""
+        kind = self._check_kind(upload)
         staged = upload
         if self.dtype != "float32":
             staged = upload.with_name(upload.name + ".cast")
@@ -95,13 +120,35 @@ class WeightStore:
                 raise BadRequest(f"cannot cast the upload to {self.dtype}: {e}") from None
         final = self.file(version)
         final.with_suffix(".sha256").write_text(sha256 if staged is upload else _sha256(staged))
+        (self.folder / f"v{version}.kind.json").write_text(json.dumps(kind))
         (self.folder / f"v{version}.upload.sha256").write_text(sha256)
         staged.replace(final)
 
+    def _check_kind(self, upload: Path) -> dict:
+        """What the upload says it is, checked: an adapter must name a stored full version as
+        its base, and its shape must be one a sampler can apply."""
+        meta = _metadata(upload)
+        if meta.get("echorl.kind", "full") == "full":
+            return {"kind": "full"}
+        if meta["echorl.kind"] != "lora":
+            raise BadRequest(f"echorl.kind {meta['echorl.kind']!r}: expected full or lora")
+        try:
+            base = int(meta.get("echorl.base", ""))
+            spec = LoraSpec.model_validate_json(meta.get("echorl.lora", ""))
+        except (TypeError, ValueError, ValidationError) as e:
+            raise BadRequest(f"a lora version needs echorl.base and echorl.lora: {e}") from None
+        if not self.has(base) or self.kind(base)["kind"] != "full":
+            raise BadRequest(f"a lora version's base v{base} is not a stored full version")
+        return {"kind": "lora", "base": base, "lora": spec.model_dump()}
+
     def retain(self, newest: int, referenced: set[int]) -> None:
-        """Delete versions older than the last `keep`, except those still referenced."""
-        for v in self.versions():
-            if v <= newest - self.keep and v not in referenced:
+        """Delete versions older than the last `keep`, except those still referenced and the
+        bases of the adapters kept."""
+        versions = self.versions()
+        kept = {v for v in versions if v > newest - self.keep or v in referenced}
+        kept |= {self.kind(v).get("base") for v in kept} - {None}
+        for v in versions:
+            if v not in kept:
                 self.forget(v)
 
     def forget_after(self, version: int) -> None:
@@ -118,6 +165,21 @@ class WeightStore:
         path.unlink(missing_ok=True)
         path.with_suffix(".sha256").unlink(missing_ok=True)
         (self.folder / f"v{version}.upload.sha256").unlink(missing_ok=True)
+        (self.folder / f"v{version}.kind.json").unlink(missing_ok=True)
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's `__metadata__`, read from its header alone ({} when there is none:
+    the broker stores weights as opaque bytes unless they declare a kind)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        try:
+            header = json.loads(f.read(n)) if 2 <= n <= MAX_HEADER else {}
+        except ValueError:
+            header = {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _cast_safetensors(src: Path, dst: Path, dtype: str) -> None:

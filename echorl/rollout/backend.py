@@ -7,19 +7,23 @@
 Every backend continues token-id contexts (never text) and returns, per context, the
 sampled token ids, each one's log-prob under the distribution it was sampled from
 (after temperature and top-p: what the trainer's importance weights need) and whether
-the model ended it (eos). New weights arrive as a full state dict, loaded in place.
-The sampler loop, the environments and the broker are the same for all of them.
+the model ended it (eos). New weights arrive as a full state dict, loaded in place, or
+(a LoRA run, `models/lora.py`) as an adapter applied on the full weights held; a backend
+keeps the last few adapters resident, so a version it may be asked for again (sync jobs
+of an older version, a lease still generating) costs no download. The sampler loop, the
+environments and the broker are the same for all of them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections import OrderedDict
+from typing import Any, Protocol
 
 import torch
 
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import Completion
+from echorl.protocol import Completion, LoraSpec
 from echorl.seeding import derive_seed
 
 SEED_MASK = (1 << 31) - 1  # engine seeds are C ints on some paths (vLLM)
@@ -46,7 +50,23 @@ class Backend(Protocol):
         ...
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """A new full version (the trainer's state dict, any float dtype), in place."""
+        """A new full version (the trainer's state dict, any float dtype), in place; the
+        adapters held are dropped (they were trained on other weights)."""
+        ...
+
+    def load_adapter(self, version: int, state: dict[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Adapter `version` (peft names) on the full weights held, resident from now on and
+        generating until another is chosen; the oldest resident one is dropped beyond the
+        backend's `keep_adapters`."""
+        ...
+
+    def use_adapter(self, version: int | None) -> None:
+        """Generate with resident adapter `version`, or with the full weights alone (None)."""
+        ...
+
+    @property
+    def adapters(self) -> list[int]:
+        """The resident adapter versions, oldest first."""
         ...
 
 
@@ -63,3 +83,39 @@ def completion(ids: list[int], logprobs: list[float], eos: int) -> Completion:
         logprobs=[min(0.0, lp) for lp in logprobs],
         finished=bool(ids) and ids[-1] == eos,
     )
+
+
+class Adapters:
+    """A backend's resident adapters: version -> its engine handle, oldest first, at most
+    `keep`; which one generates (`active`, None: the full weights alone)."""
+
+    def __init__(self, keep: int):
+        self.keep = max(1, keep)
+        self.held: OrderedDict[int, Any] = OrderedDict()
+        self.active: int | None = None
+
+    def add(self, version: int, handle: Any) -> list[Any]:
+        """Hold `handle` as `version`, now active; returns the handles to drop (beyond `keep`,
+        or an older handle of the same version)."""
+        dropped = [self.held.pop(version)] if version in self.held else []
+        self.held[version] = handle
+        self.active = version
+        while len(self.held) > self.keep:
+            dropped.append(self.held.popitem(last=False)[1])
+        return dropped
+
+    def use(self, version: int | None) -> Any:
+        if version is not None and version not in self.held:
+            raise KeyError(f"adapter v{version} is not resident (held: {list(self.held)})")
+        self.active = version
+        return self.handle
+
+    @property
+    def handle(self) -> Any:
+        return None if self.active is None else self.held[self.active]
+
+    def clear(self) -> list[Any]:
+        dropped = list(self.held.values())
+        self.held.clear()
+        self.active = None
+        return dropped

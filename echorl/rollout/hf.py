@@ -10,23 +10,28 @@ The backend knows nothing about tasks, rewards or the broker.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import Completion
-from echorl.rollout.backend import completion
+from echorl.protocol import Completion, LoraSpec
+from echorl.rollout.backend import Adapters, completion
 
 
 class HFBackend:
     """Generation with `model.generate`; weights swapped in place (`load_weights`). One of the
     sampler's backends (`rollout/backend.py`)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
-        self.model = model
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, keep_adapters: int = 2
+    ):
+        self.model = model  # a peft model too (the trainer's own LoRA policy, or adapters loaded)
         self.tokenizer = tokenizer
         self.codec = RunTokenizer.from_hf(tokenizer)
+        self.slots = Adapters(keep_adapters)
 
     @property
     def device(self) -> torch.device:
@@ -39,9 +44,40 @@ class HFBackend:
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """A new full version in place, cast to the model's dtype (a bf16 download into an fp32
         model, or the other way)."""
+        if self.slots.held:  # back to the plain model: the adapters were for other weights
+            self.model = self.model.unload()
+            self.slots.clear()
         dtype = next(self.model.parameters()).dtype
         state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
         self.model.load_state_dict(state, strict=True)
+
+    def load_adapter(self, version: int, state: dict[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Adapter `version` injected with peft next to the resident ones, and made active."""
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        from echorl.models.lora import peft_config
+
+        name = f"v{version}"
+        if not self.slots.held:
+            self.model = get_peft_model(self.model, peft_config(spec), adapter_name=name)
+        elif name not in self.model.peft_config:  # else: the same version, other weights
+            self.model.add_adapter(name, peft_config(spec))
+        result = set_peft_model_state_dict(self.model, state, adapter_name=name)
+        if result.unexpected_keys:
+            raise ValueError(f"adapter v{version}: unexpected tensors {result.unexpected_keys[:3]}")
+        self.model.set_adapter(name)
+        for old in self.slots.add(version, name):
+            if old != name:
+                self.model.delete_adapter(old)
+
+    def use_adapter(self, version: int | None) -> None:
+        name = self.slots.use(version)
+        if name is not None:
+            self.model.set_adapter(name)
+
+    @property
+    def adapters(self) -> list[int]:
+        return list(self.slots.held)
 
     @torch.no_grad()
     def generate_ids(
@@ -67,20 +103,26 @@ class HFBackend:
         eos = self.codec.eos_id
         stops = [eos, *stop_ids]
         torch.manual_seed(seed)
-        out = self.model.generate(
-            **enc,
-            do_sample=not greedy,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=stops if stop_ids else eos,
-            return_dict_in_generate=True,
-            output_scores=True,
-            **sampling,
-        )
+        # Adapters resident but none chosen: the full weights alone generate.
+        base_only = self.slots.held and self.slots.active is None
+        with self.model.disable_adapter() if base_only else nullcontext():
+            out = self._generate(enc, greedy, max_new_tokens, stops if stop_ids else eos, sampling)
         new = out.sequences[:, enc["input_ids"].shape[1] :]  # (N, T)
         scores = torch.stack(out.scores, dim=1).float()  # (N, T, V), processed logits
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         return _cut(new.tolist(), logprobs.tolist(), eos, set(stops))
+
+    def _generate(self, enc, greedy, max_new_tokens, eos, sampling):
+        return self.model.generate(
+            **enc,
+            do_sample=not greedy,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=eos,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **sampling,
+        )
 
 
 def _cut(rows: list[list[int]], lps: list[list[float]], eos: int, stops: set[int]):

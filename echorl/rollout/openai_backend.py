@@ -10,13 +10,19 @@ with a one-line reason otherwise):
   (`return_token_ids`) and each one's log-prob (`logprobs`, `return_tokens_as_token_ids`);
 - `/collective_rpc` (dev mode) runs the workers' `reload_weights` from a folder of
   safetensors that the server can read (a server on the sampler's machine, or a shared
-  disk), then `/reset_prefix_cache`.
+  disk), then `/reset_prefix_cache`;
+- a LoRA run: `/v1/load_lora_adapter` (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`, and
+  `--enable-lora --max-lora-rank R --max-loras K`) loads each adapter version as a peft
+  folder under a name of its own, which the requests then name as their model;
+  `/v1/unload_lora_adapter` drops those beyond `keep_adapters`.
 
 Each context is its own request (its own seed), sent concurrently.
 """
 
 from __future__ import annotations
 
+import itertools
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +33,8 @@ from safetensors.torch import save_file
 
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import Completion
-from echorl.rollout.backend import completion, context_seed
+from echorl.protocol import Completion, LoraSpec
+from echorl.rollout.backend import Adapters, completion, context_seed
 
 
 class ServerRefused(RuntimeError):
@@ -36,8 +42,17 @@ class ServerRefused(RuntimeError):
 
 
 class OpenAIBackend:
-    def __init__(self, endpoint: str, codec: RunTokenizer, concurrency: int = 64):
+    def __init__(
+        self,
+        endpoint: str,
+        codec: RunTokenizer,
+        lora: LoraSpec | None = None,
+        keep_adapters: int = 2,
+        concurrency: int = 64,
+    ):
         self.codec = codec
+        self.slots = Adapters(keep_adapters)
+        self.ids = itertools.count(1)
         self.http = httpx.Client(base_url=endpoint.rstrip("/"), timeout=300)
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="openai")
         self.folder = Path(tempfile.mkdtemp(prefix="echorl-weights-"))
@@ -55,13 +70,19 @@ class OpenAIBackend:
             raise ServerRefused(
                 f"{endpoint} cannot load new weights: start it with VLLM_SERVER_DEV_MODE=1"
             )
+        if lora is not None and self.http.post("/v1/unload_lora_adapter").status_code == 404:
+            raise ServerRefused(
+                f"{endpoint} cannot load LoRA adapters: start it with "
+                f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and --enable-lora --max-lora-rank "
+                f">= {lora.rank} --max-loras {keep_adapters}"
+            )
 
     def _one(self, context: list[int], params: SamplingConfig, max_new: int, seed: int, stops):
         greedy = params.temperature == 0.0
         reply = self.http.post(
             "/v1/completions",
             json={
-                "model": self.model,
+                "model": self.slots.handle or self.model,  # an adapter's name, or the base
                 "prompt": context,
                 "max_tokens": max_new,
                 "temperature": 0.0 if greedy else params.temperature,
@@ -112,4 +133,30 @@ class OpenAIBackend:
             raise ServerRefused(
                 f"/collective_rpc reload_weights: {reply.status_code} {reply.text[:300]}"
             )
+        self._drop(self.slots.clear())  # trained on other weights
         self.http.post("/reset_prefix_cache")
+
+    def load_adapter(self, version: int, state: dict[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Written as a peft folder where the server reads it, loaded under a new name."""
+        from echorl.models.lora import write_adapter
+
+        name = f"echorl-v{version}-{next(self.ids)}"
+        path = write_adapter(self.folder / name, state, spec)
+        reply = self.http.post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+        )
+        if reply.status_code != 200:
+            raise ServerRefused(f"/v1/load_lora_adapter: {reply.status_code} {reply.text[:300]}")
+        self._drop(self.slots.add(version, name))
+
+    def _drop(self, names: list[str]) -> None:
+        for name in names:
+            self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            shutil.rmtree(self.folder / name, ignore_errors=True)
+
+    def use_adapter(self, version: int | None) -> None:
+        self.slots.use(version)
+
+    @property
+    def adapters(self) -> list[int]:
+        return list(self.slots.held)

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
 from echorl.models import load_policy
+from echorl.models.lora import load_for_training, save_policy
 from echorl.protocol import ScoredGroup
 from echorl.rollout.evaluate import EvalResult, evaluate
 from echorl.rollout.generate import rollout
@@ -136,7 +137,9 @@ def run_colocated(
         torch.set_num_threads(cfg.model.threads)
     task = get_task(cfg.task.name)
     ckpt = latest_checkpoint(out / "checkpoints") if resume else None
-    model, tokenizer = load_policy(ckpt / "policy" if ckpt else model_dir, cfg.model.device)
+    model, tokenizer = load_for_training(
+        model_dir, ckpt and ckpt / "policy", cfg.model.lora, cfg.model.device
+    )
     ref_model = reference(model_dir, cfg)
     backend = HFBackend(model, tokenizer)
     with run_pool(cfg, backend.codec) as scorer:  # verifiers in a bounded worker process
@@ -175,9 +178,7 @@ def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult
     after = held_out(backend, task, cfg, scorer)
     log.write({"step": cfg.train.steps, **after.record()})
     save_checkpoint(out / "checkpoints", cfg.train.steps, model, tokenizer, opt, sched)
-    policy = out / "policy"
-    model.save_pretrained(policy)
-    tokenizer.save_pretrained(policy)
+    policy = save_policy(model, tokenizer, out / "policy")
     plot = plot_reward_curve(
         read_metrics(out / "metrics.jsonl"),
         out / "reward_curve.png",

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from echorl.client import BrokerClient, BrokerRejected
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_run, read_metrics
-from echorl.models import load_policy
+from echorl.models.lora import base_state, load_for_training, save_policy, version_state
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import AuditReport, GroupAudit, ScoredGroup, TrainerHello
 from echorl.rollout.hf import HFBackend
@@ -58,29 +58,34 @@ class Publisher:
         self.pool = io_thread_pool("publish", cpus)
         self.pending: Future | None = None
         self.last_s = 0.0  # seconds the last finished upload took
+        self.last_bytes = 0  # its size
 
     def submit(self, model: PreTrainedModel, version: int) -> None:
-        """Upload `version` in the background; refuses (NonFiniteWeights) weights with a
-        NaN or inf anywhere: no sampler ever generates from a broken policy."""
+        """Upload `version` in the background: the full weights, or (LoRA, after v0) the
+        adapter alone, on v0. Refuses (NonFiniteWeights) weights with a NaN or inf anywhere:
+        no sampler ever generates from a broken policy."""
         self.wait()
-        state = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        state, meta = (
+            (base_state(model), {"format": "pt"}) if version == 0 else version_state(model, 0)
+        )
+        state = {k: t.detach().clone() for k, t in state.items()}
         broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
         if broken:
             raise NonFiniteWeights(
                 f"version {version} has non-finite values in {len(broken)} tensors (e.g. "
                 f"{broken[0]}): not published"
             )
-        self.pending = self.pool.submit(self._publish, state, version)
+        self.pending = self.pool.submit(self._publish, state, meta, version)
 
-    def _publish(self, state: dict, version: int) -> float:
+    def _publish(self, state: dict, meta: dict, version: int) -> tuple[float, int]:
         t0 = time.perf_counter()
-        self.client.publish_stream(version, *stream_safetensors(state, {"format": "pt"}))
-        return time.perf_counter() - t0
+        stored = self.client.publish_stream(version, *stream_safetensors(state, meta))
+        return time.perf_counter() - t0, stored.size_bytes
 
     def wait(self) -> None:
         """Block until the last submitted version is stored at the broker (errors surface here)."""
         if self.pending is not None:
-            self.last_s = self.pending.result()
+            self.last_s, self.last_bytes = self.pending.result()
             self.pending = None
 
     def close(self) -> None:
@@ -169,8 +174,8 @@ class DecoupledTrainer:
     def start(self, resume: bool) -> None:
         """Load the policy (or the last checkpoint), and bring the broker to the same point."""
         ckpt = latest_checkpoint(self.out / "checkpoints") if resume else None
-        self.model, self.tokenizer = load_policy(
-            ckpt / "policy" if ckpt else self.model_dir, self.cfg.model.device
+        self.model, self.tokenizer = load_for_training(
+            self.model_dir, ckpt and ckpt / "policy", self.cfg.model.lora, self.cfg.model.device
         )
         # Refused (409, both fingerprints named) unless the broker runs this tokenizer and task.
         t = self.cfg.train
@@ -278,6 +283,7 @@ class DecoupledTrainer:
             **wait,
             "trainer/step_s": train_s,
             "perf/publish_s": self.publisher.last_s,  # the last upload that finished
+            "perf/publish_bytes": self.publisher.last_bytes,  # as the samplers download it
             **self.swarm(),
         }
 
@@ -345,8 +351,7 @@ class DecoupledTrainer:
         self.scorer.close()
         self.log.close()
         if self.step == cfg.steps:
-            self.model.save_pretrained(self.out / "policy")
-            self.tokenizer.save_pretrained(self.out / "policy")
+            save_policy(self.model, self.tokenizer, self.out / "policy")
         plot_run(read_metrics(self.out / "metrics.jsonl"), self.out, f"{self.cfg.broker.mode}")
         return self.out
 

@@ -23,8 +23,9 @@ from echorl.trainer.losses import LOSSES, LossInputs
 
 
 def build_optimizer(model: PreTrainedModel, cfg: OptimConfig) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        trainable, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
     )
 
 
