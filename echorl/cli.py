@@ -392,10 +392,14 @@ def _sampler_backend(cfg: RunConfig):
                 "see the README's Real engines for its install"
             )
             raise typer.Exit(2) from None
+    import torch
+
     from echorl.models import load_policy
     from echorl.rollout.hf import HFBackend
 
-    model, tokenizer = load_policy(cfg.model.path, cfg.sampler.device or cfg.model.device)
+    dtype = getattr(torch, "float32" if cfg.sampler.dtype == "auto" else cfg.sampler.dtype)
+    device = cfg.sampler.device or cfg.model.device
+    model, tokenizer = load_policy(cfg.model.path, device, dtype)
     return HFBackend(model, tokenizer, keep_adapters=keep)
 
 
@@ -547,6 +551,20 @@ def status(
             s.state,
         )
     console.print(table)
+    audited = [s for s in st.samplers if s.audited_tokens]
+    if audited:  # each sampler's log-probs against the trainer's, on its consumed tokens
+        table = Table(title="log-prob mismatch (trainer's audit; README: Trust)")
+        for col in ("id", "tokens", "mean |Δ logp|", "KL", "beyond tolerance"):
+            table.add_column(col, no_wrap=col == "id")
+        for s in audited:
+            table.add_row(
+                Text(s.id),
+                str(s.audited_tokens),
+                f"{s.logprob_mean_abs:.4f}",
+                f"{s.logprob_kl:+.4f}",
+                f"{s.logprob_beyond:.1%}",
+            )
+        console.print(table)
     for key, counts in (
         ("jobs", st.jobs),
         ("rollouts", st.rollouts),

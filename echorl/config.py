@@ -317,6 +317,13 @@ class QuarantineConfig(_Section):
     Defaults from measurement (README: Trust)."""
 
     enabled: bool = Field(True, description="audit consumed groups and quarantine on the bounds")
+    exact_stale: bool = Field(
+        True,
+        description="the trainer keeps the trainable weights of the last max_staleness "
+        "versions (LoRA: the adapters; full: a copy of the model each) and audits a stale "
+        "group against its own version (a forward pass of its rows); off: against the "
+        "current policy, whose drift since then counts as the sampler's mismatch",
+    )
     tolerance: float = Field(
         2.0, gt=0.0, le=100.0, description="|trainer - sampler| log-prob counted as far off"
     )
@@ -355,7 +362,10 @@ class SamplerConfig(_Section):
         None, description="the openai backend's server, e.g. http://127.0.0.1:8300"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the vllm engine's weights and compute dtype (auto: the model's)"
+        "auto",
+        description="the sampler's weights and compute dtype (auto: the model's for vllm, "
+        "float32 for hf); bfloat16 samplers beside an fp32 trainer show their log-prob "
+        "mismatch per step, which the truncated IS weight corrects",
     )
     jobs_per_lease: int = Field(
         16, ge=1, le=1024, description="jobs leased, and generated as one batch, at a time"

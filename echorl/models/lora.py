@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from echorl.config import LoraSettings
 from echorl.models.loading import load_policy
 from echorl.protocol import LoraSpec
 
+# peft asks transformers a deprecated question on every wrap; the answer is the same.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 KIND, BASE, SHAPE = "echorl.kind", "echorl.base", "echorl.lora"
 
 

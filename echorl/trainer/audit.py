@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from echorl.protocol import GroupAudit, ScoredGroup
-from echorl.trainer.batch import Batch
+from echorl.trainer.batch import Batch, token_logprobs
 
 
 @torch.no_grad()
@@ -43,3 +43,51 @@ def audit_batch(
         )
         start = end
     return audits
+
+
+class PastVersions:
+    """The trainable weights of the last few versions (a LoRA run's adapters: a few per cent
+    of the model; a full fine-tune's: a copy of it each), so that a stale group is audited
+    against the version that generated it, exactly, for a forward pass of its rows. Without
+    them the policy's drift since that version would count as the sampler's mismatch."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record(self, model, version: int) -> None:
+        """The trainable tensors of `model` as they are at `version`."""
+        self.held[version] = {
+            n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+        }
+        for v in [v for v in self.held if v < version - self.keep]:
+            del self.held[v]
+
+    @torch.no_grad()
+    def logprobs(
+        self, model, groups: list[ScoredGroup], batch: Batch, logp: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """`logp` (the current policy's) with each stale group's rows recomputed under its
+        own version, where that version is held."""
+        latest = max(self.held, default=None)
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for g in groups:
+            if g.version != latest and g.version in self.held:
+                rows.setdefault(g.version, []).extend(range(start, start + len(g.completions)))
+            start += len(g.completions)
+        if not rows:
+            return logp
+        params = dict(model.named_parameters())
+        now = {n: params[n].detach().clone() for n in self.held[latest]}
+        out = logp.clone()
+        try:
+            for version, index in rows.items():
+                for n, t in self.held[version].items():
+                    params[n].copy_(t)
+                idx = torch.tensor(index)
+                out[idx] = token_logprobs(model, batch.rows(idx), temperature)[0]
+        finally:
+            for n, t in now.items():
+                params[n].copy_(t)
+        return out

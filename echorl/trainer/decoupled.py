@@ -31,13 +31,18 @@ from transformers import PreTrainedModel
 from echorl.client import BrokerClient, BrokerRejected
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_run, read_metrics
-from echorl.models.lora import base_state, load_for_training, save_policy, version_state
+from echorl.models.lora import (
+    base_state,
+    load_for_training,
+    save_policy,
+    version_state,
+)
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import AuditReport, GroupAudit, ScoredGroup, TrainerHello
 from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
-from echorl.trainer.audit import audit_batch
+from echorl.trainer.audit import PastVersions, audit_batch
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
@@ -216,6 +221,10 @@ class DecoupledTrainer:
                 )
             self.publisher.submit(self.model, 0)
         self.publisher.wait()
+        self.past = None  # recent versions' weights, to audit stale groups exactly
+        if self.cfg.quarantine.exact_stale and self.cfg.broker.max_staleness:
+            self.past = PastVersions(self.cfg.broker.max_staleness)
+            self.past.record(self.model, self.step)
         if self.step == 0:
             self.log.write({"step": 0, **self.evaluate()})
 
@@ -246,6 +255,10 @@ class DecoupledTrainer:
         tolerance = cfg.quarantine.tolerance
 
         def audit(gs, batch, logp):
+            if self.past is not None:  # stale groups against their own version
+                logp = self.past.logprobs(
+                    self.model, gs, batch, logp, cfg.sampling.temperature or 1
+                )
             audits.extend(audit_batch(gs, batch, logp, tolerance))
 
         metrics = update_policy(
@@ -257,7 +270,7 @@ class DecoupledTrainer:
             cfg,
             step,
             self.ref_model,
-            audit=audit if cfg.quarantine.enabled else None,
+            audit=audit,  # the mismatch per sampler is logged even when nobody is quarantined
         )
         train_s = time.perf_counter() - t0
         metrics |= self.report(audits, step) | mismatch_by_sampler(groups, audits)
@@ -271,6 +284,8 @@ class DecoupledTrainer:
         self.client.ack(ids, step)
         self.consumed += ids
         self.publisher.submit(self.model, step + 1)
+        if self.past is not None:
+            self.past.record(self.model, step + 1)
         if cfg.broker.mode == "sync":  # the next batch needs these weights: nothing to overlap
             self.publisher.wait()
         self.step = step + 1

@@ -19,8 +19,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from echorl.config import SamplingConfig  # noqa: E402
+from echorl.config import LoraSettings, SamplingConfig  # noqa: E402
 from echorl.models import load_policy  # noqa: E402
+from echorl.models.lora import add_lora, spec_of, version_state  # noqa: E402
 from echorl.models.tiny import save_tiny_model  # noqa: E402
 from echorl.models.tokenizer import RunTokenizer  # noqa: E402
 from echorl.rollout.hf import HFBackend  # noqa: E402
@@ -36,9 +37,14 @@ CONTEXTS = [[19, 18, 12, 24, 18, 30], [24, 26, 12, 20, 19, 30]] * 2
 def server(tmp_path_factory):
     folder = save_tiny_model(tmp_path_factory.mktemp("serve") / "m", preset="1m")
     port = free_port()
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    env = os.environ | {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc: full versions
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",  # /v1/load_lora_adapter: adapter versions
+    }
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     cmd += ["--port", str(port), "--skip-tokenizer-init", "--dtype", "float32"]
+    cmd += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
     cmd += ["--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-model-len", "512"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -81,6 +87,35 @@ def test_the_server_generates_as_the_hf_backend_and_takes_new_weights(server):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOLERANCE
 
 
+def test_the_server_applies_adapter_versions_as_the_trainer_computes_them(server):
+    url, folder = server
+    model, tok = load_policy(folder)
+    spec = spec_of(LoraSettings(rank=8))
+    remote = OpenAIBackend(url, RunTokenizer.from_folder(folder), lora=spec, keep_adapters=2)
+    remote.load_weights(model.state_dict())  # the run's v0 (the other test moved the server's)
+    trainer = HFBackend(add_lora(model, spec), tok)
+    greedy = SamplingConfig(temperature=0.0)
+    seen = {}
+    for version in (1, 2, 3):
+        gen = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if "lora_" in name:
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        remote.load_adapter(version, version_state(trainer.model)[0], spec)
+        ours = trainer.generate_ids(CONTEXTS, greedy, 8, 0)
+        theirs = remote.generate_ids(CONTEXTS, greedy, 8, 0)
+        for a, b in zip(ours, theirs):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOLERANCE
+        seen[version] = [c.token_ids for c in theirs]
+    assert seen[1] != seen[3] and remote.adapters == [2, 3]
+    served = {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert len(served) == 3 and not any(n.startswith("echorl-v1-") for n in served)  # unloaded
+    remote.use_adapter(2)
+    assert [c.token_ids for c in remote.generate_ids(CONTEXTS, greedy, 8, 0)] == seen[2]
+
+
 class NoTokenIds(BaseHTTPRequestHandler):
     """An OpenAI-style server that answers text only."""
 
@@ -104,6 +139,32 @@ class NoTokenIds(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class NoAdapters(NoTokenIds):
+    """Token ids back and full weight loads, but no runtime LoRA routes."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/v1/unload_lora_adapter":
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self._send({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}}]})
+
+
+def test_a_lora_run_refuses_a_server_that_cannot_load_adapters():
+    httpd = HTTPServer(("127.0.0.1", 0), NoAdapters)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        OpenAIBackend(url, RunTokenizer.builtin())  # a full-weights run: fine
+        with pytest.raises(ServerRefused, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING") as e:
+            OpenAIBackend(url, RunTokenizer.builtin(), lora=spec_of(LoraSettings(rank=8)))
+        assert "\n" not in str(e.value)
+    finally:
+        httpd.shutdown()
 
 
 def test_a_server_without_token_ids_is_refused_with_the_reason():

@@ -1,8 +1,9 @@
 """Dishonest samplers among honest ones, as real processes: one reports made-up log-probs,
 one samples from perturbed weights, one sends right answers it never sampled. The trainer's
 audit (its own log-probs of every token trained on, against the sampler's) gets each of them
-quarantined within a few steps; the honest samplers, one of them generating in bfloat16,
-never are; and the run still learns."""
+quarantined within a few steps; the honest samplers, one of them generating in bfloat16
+beside the fp32 trainer (`sampler.dtype`), never are; each one's mismatch is logged per
+step and shown by `echorl status`; and the run still learns."""
 
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from tests.integration.conftest import (
     SAMPLER,
+    TRAINER,
     free_port,
     query,
     read_jsonl,
@@ -45,9 +47,11 @@ WITHIN_STEPS = 15
 
 def start(mode, url, model):
     env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
-    script = [] if mode == "honest" else [str(FIXTURE), mode]
+    script = [] if mode in HONEST else [str(FIXTURE), mode]
     cmd = [sys.executable, *(script or ["-m", "echorl.cli"]), "sampler", "--broker", url]
     cmd += ["--model", str(model), "--name", mode, "--threads", "1", "--jobs-per-lease", "2"]
+    if mode == "bf16":  # honest, in other numerics than the trainer's
+        cmd += ["-o", "sampler.dtype=bfloat16"]
     return subprocess.Popen(
         [*cmd, *RUN], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -60,6 +64,13 @@ def run_swarm(tmp_path, model, steps):
     try:
         out = trainer.communicate(timeout=1200)[0]
         assert trainer.returncode == 0, out
+        status = subprocess.run(
+            [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
+            env=os.environ | {"ECHORL_TOKEN": TRAINER, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
     finally:
         for s in samplers:
             if s.poll() is None:
@@ -69,7 +80,7 @@ def run_swarm(tmp_path, model, steps):
         }
         stop_broker(broker)
     states = dict(query(tmp_path / "b", "SELECT name, state FROM samplers"))
-    return states, logs, out, read_jsonl(tmp_path / "t" / "metrics.jsonl")
+    return states, logs, out + status, read_jsonl(tmp_path / "t" / "metrics.jsonl")
 
 
 def check(tmp_path, states, logs, out, records):
@@ -96,9 +107,27 @@ def check(tmp_path, states, logs, out, records):
             first,
             quarantined_at,
         )
-    # Every sampler's log-prob mismatch is logged per step (honest ones small).
+    # Every sampler's log-prob mismatch is logged per step, and shown by `echorl status`;
+    # the bf16 sampler's is the larger of the honest ones' (numerics, not dishonesty).
     logged = {k.split("/")[1] for r in records for k in r if k.startswith("mismatch/")}
     assert {named[m] for m in HONEST} <= logged, logged
+    mean = {
+        m: [
+            r[f"mismatch/{named[m]}/mean_abs"]
+            for r in records
+            if f"mismatch/{named[m]}/mean_abs" in r
+        ]
+        for m in HONEST
+    }
+    mean = {m: sum(v) / len(v) for m, v in mean.items()}
+    assert mean["bf16"] > 2 * mean["honest"], mean
+    figures = query(
+        tmp_path / "b",
+        "SELECT name, state, audit_abs / MAX(audit_tokens, 1), audit_kl / MAX(audit_tokens, 1), "
+        "audit_beyond / MAX(audit_tokens, 1) FROM samplers",
+    )
+    print(f"logged mean |dlp| {mean}; excess (abs, signed, beyond) {figures}")
+    assert "log-prob mismatch" in out and all(named[m] in out for m in HONEST), out[-3000:]
     train = [r["reward/mean"] for r in records if "reward/mean" in r]
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     return train, evals

@@ -101,3 +101,37 @@ def test_a_new_version_is_swapped_in_place(backends):
     for a, b in zip(hf.generate_ids(CONTEXTS, greedy, 8, 0), after):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOLERANCE
+
+
+def test_adapters_apply_as_the_trainer_computes_them(tmp_path):
+    """A LoRA run: each version an adapter on the engine's weights; the last two resident."""
+    from echorl.config import LoraSettings
+    from echorl.models.lora import add_lora, spec_of, spec_of_model, version_state
+
+    folder = save_tiny_model(tmp_path / "m", preset="1m")
+    model, tok = load_policy(folder)
+    spec = spec_of(LoraSettings(rank=8))
+    vl = VLLMBackend(folder, HFBackend(model, tok).codec, "float32", lora=spec, keep_adapters=2)
+    greedy = SamplingConfig(temperature=0.0)
+    base = vl.generate_ids(CONTEXTS, greedy, 8, 0)
+    trainer = HFBackend(add_lora(model, spec), tok)
+    seen = {}
+    for version in (1, 2, 3):
+        gen = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if "lora_" in name:
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        vl.load_adapter(version, version_state(trainer.model)[0], spec_of_model(trainer.model))
+        ours = trainer.generate_ids(CONTEXTS, greedy, 8, 0)
+        theirs = vl.generate_ids(CONTEXTS, greedy, 8, 0)
+        for a, b in zip(ours, theirs):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOLERANCE
+        seen[version] = [c.token_ids for c in theirs]
+    assert vl.adapters == [2, 3] and len(vl.llm.llm_engine.list_loras()) == 2
+    assert seen[1] != seen[3]
+    vl.use_adapter(2)
+    assert [c.token_ids for c in vl.generate_ids(CONTEXTS, greedy, 8, 0)] == seen[2]
+    vl.use_adapter(None)
+    assert vl.generate_ids(CONTEXTS, greedy, 8, 0) == base
