@@ -10,10 +10,13 @@ The backend knows nothing about tasks, rewards or the broker.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import nullcontext
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
@@ -90,39 +93,86 @@ class HFBackend:
     ) -> list[Completion]:
         """One completion per token-id context (G completions of a prompt: G copies of it; a
         multi-turn episode continues from its own tokens); same `seed` and weights give the
-        same tokens. A row ends at eos or any of `stop_ids`, which it includes."""
-        tok = self.tokenizer
-        enc = tok.pad({"input_ids": contexts}, return_tensors="pt", padding_side="left").to(
-            self.device
-        )
-        greedy = params.temperature == 0.0
-        # top_k=0: never the library's default top-k; the sampling distribution is ours to define.
-        sampling = (
-            {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        )
-        eos = self.codec.eos_id
-        stops = [eos, *stop_ids]
-        torch.manual_seed(seed)
+        same tokens. A row ends at eos or any of `stop_ids`, which it includes.
+
+        The model's own forward pass with a KV cache, sampled here: each distinct context is
+        prefilled once and its cache copied to its rows (G copies of a prompt cost one
+        prefill), and decoding stops when every row has stopped."""
         # Adapters resident but none chosen: the full weights alone generate.
         base_only = self.slots.held and self.slots.active is None
         with self.model.disable_adapter() if base_only else nullcontext():
-            out = self._generate(enc, greedy, max_new_tokens, stops if stop_ids else eos, sampling)
-        new = out.sequences[:, enc["input_ids"].shape[1] :]  # (N, T)
-        scores = torch.stack(out.scores, dim=1).float()  # (N, T, V), processed logits
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        return _cut(new.tolist(), logprobs.tolist(), eos, set(stops))
+            rows, logprobs = self._sample(contexts, params, max_new_tokens, seed, stop_ids)
+        eos = self.codec.eos_id
+        return _cut(rows, logprobs, eos, {eos, *stop_ids})
 
-    def _generate(self, enc, greedy, max_new_tokens, eos, sampling):
-        return self.model.generate(
-            **enc,
-            do_sample=not greedy,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=eos,
-            return_dict_in_generate=True,
-            output_scores=True,
-            **sampling,
+    @functools.cached_property
+    def _cache_arg(self) -> str:
+        """What the model's forward calls its KV cache (`cache` from transformers 5.24)."""
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        names = inspect.signature(type(model).forward).parameters
+        return "cache" if "cache" in names else "past_key_values"
+
+    def _sample(self, contexts, params, max_new_tokens, seed, stop_ids):
+        distinct: dict[tuple[int, ...], int] = {}
+        which = torch.tensor([distinct.setdefault(tuple(c), len(distinct)) for c in contexts])
+        enc = self.tokenizer.pad(
+            {"input_ids": [list(c) for c in distinct]}, return_tensors="pt", padding_side="left"
+        ).to(self.device)
+        mask = enc["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=enc["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True
         )
+        cache = getattr(out, self._cache_arg)
+        which = which.to(self.device)
+        cache.reorder_cache(which)  # each row gets its context's prefill
+        logits, mask, last = out.logits[which, -1], mask[which], positions[which, -1:]
+        warp = _warpers(params)
+        gen = torch.Generator(self.device).manual_seed(seed)
+        stops = torch.tensor([self.codec.eos_id, *stop_ids], device=self.device)
+        done = torch.zeros(len(contexts), dtype=torch.bool, device=self.device)
+        tokens, logps = [], []
+        for t in range(max_new_tokens):
+            scores = logits.float()
+            for w in warp:
+                scores = w(None, scores)
+            logp = torch.log_softmax(scores, dim=-1)
+            if warp:  # a draw from exp(logp) by its inverse CDF: one uniform per row
+                # (the first token whose cumulative mass passes it: never one of mass 0)
+                cdf = logp.exp().cumsum(-1)
+                u = torch.rand((len(cdf), 1), generator=gen, device=cdf.device) * cdf[:, -1:]
+                token = (
+                    torch.searchsorted(cdf, u, side="right").squeeze(1).clamp(max=cdf.shape[1] - 1)
+                )
+            else:
+                token = scores.argmax(-1)
+            tokens.append(token)
+            logps.append(logp.gather(-1, token[:, None]).squeeze(1))
+            done |= torch.isin(token, stops)
+            if bool(done.all()) or t + 1 == max_new_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+            last = last + 1
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=last,
+                use_cache=True,
+                **{self._cache_arg: cache},
+            )
+            logits = out.logits[:, -1]
+        return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+
+
+def _warpers(params: SamplingConfig) -> list:
+    """The sampling distribution: temperature, then top-p (none: greedy). transformers' own
+    warpers, so the distribution is the one `generate` would sample from; never a top-k."""
+    if params.temperature == 0.0:
+        return []
+    warp = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_p < 1.0:
+        warp.append(TopPLogitsWarper(params.top_p))
+    return warp
 
 
 def _cut(rows: list[list[int]], lps: list[list[float]], eos: int, stops: set[int]):

@@ -9,6 +9,7 @@ carry no loss (`Completion.mask`).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ class Batch:
     loss_mask: torch.Tensor  # (N, L-1) 1 where the target is a completion token
     behaviour_logp: torch.Tensor  # (N, L-1) sampler log-probs on the loss mask, 0 elsewhere
     advantages: torch.Tensor  # (N,)
+    prompt_lens: torch.Tensor  # (N,) the prompt's tokens at the start of each row
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -37,6 +39,7 @@ class Batch:
             self.loss_mask[index],
             self.behaviour_logp[index],
             self.advantages[index],
+            self.prompt_lens[index],
         )
 
     def to(self, device: torch.device | str) -> Batch:
@@ -49,6 +52,7 @@ class Batch:
                     self.loss_mask,
                     self.behaviour_logp,
                     self.advantages,
+                    self.prompt_lens,
                 )
             )
         )
@@ -79,39 +83,117 @@ class Row(NamedTuple):
 def collate(rows: list[Row], pad_id: int) -> Batch:
     assert rows, "cannot collate an empty batch"
     length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    n = len(rows)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, length), dtype=torch.long)
-    loss_mask = torch.zeros((n, length - 1))
-    behaviour = torch.zeros((n, length - 1))
+    input_ids, attention, loss_mask, behaviour = [], [], [], []
     for i, r in enumerate(rows):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         assert len(r.logprobs) == c == len(r.mask), (
             f"row {i}: {c} completion tokens, {len(r.logprobs)} log-probs, a mask of {len(r.mask)}"
         )
-        input_ids[i, : p + c] = torch.tensor(r.prompt_ids + r.completion_ids)
-        attention[i, : p + c] = 1
+        pad = length - p - c
+        input_ids.append(r.prompt_ids + r.completion_ids + [pad_id] * pad)
+        attention.append([1] * (p + c) + [0] * pad)
         # Completion token k sits at position p + k; its log-prob is in target column p + k - 1.
-        mask = torch.tensor(r.mask, dtype=torch.float32)
-        loss_mask[i, p - 1 : p - 1 + c] = mask
-        behaviour[i, p - 1 : p - 1 + c] = torch.tensor(r.logprobs) * mask
-    advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    return Batch(input_ids, attention, loss_mask, behaviour, advantages)
+        loss_mask.append([0] * (p - 1) + list(r.mask) + [0] * pad)
+        behaviour.append(
+            [0.0] * (p - 1) + [lp * m for lp, m in zip(r.logprobs, r.mask)] + [0.0] * pad
+        )
+    return Batch(
+        torch.tensor(input_ids),
+        torch.tensor(attention),
+        torch.tensor(loss_mask, dtype=torch.float32),
+        torch.tensor(behaviour, dtype=torch.float32),
+        torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        torch.tensor([len(r.prompt_ids) for r in rows]),
+    )
 
 
 def token_logprobs(
     model: PreTrainedModel, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (N, L-1) of each target token under `model` at `temperature`, and optionally
-    the entropy (N, L-1) of each next-token distribution. Gradients flow unless under no_grad."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float()  # (N, L-1, V): position t predicts token t + 1
+    """Log-probs (N, L-1) of each target token under `model` at `temperature` (0 off the
+    completions), and optionally the entropy (N, L-1) of each next-token distribution.
+    Gradients flow unless under no_grad.
+
+    Rows that share a prompt (a group's G completions) share its forward pass: each distinct
+    prompt runs once and its KV cache is copied to its rows, whose completions then run on
+    it. Only the completions' positions reach the output layer."""
+    distinct: dict[tuple[int, ...], int] = {}
+    ids = batch.input_ids.tolist()
+    which = [
+        distinct.setdefault(tuple(row[:p]), len(distinct))
+        for row, p in zip(ids, batch.prompt_lens.tolist())
+    ]
+    device = batch.input_ids.device
+    if len(distinct) == len(ids):  # nothing shared (demonstrations, multi-turn): one pass
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = logits[:, :-1].float()  # (N, L-1, V): position t predicts token t + 1
+        if temperature > 0.0 and temperature != 1.0:
+            logits = logits / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+    # The distinct prompts, left-padded: their last tokens line up.
+    plen = batch.prompt_lens
+    width = int(plen.max())
+    prompts = torch.zeros((len(distinct), width), dtype=torch.long, device=device)
+    pmask = torch.zeros_like(prompts)
+    for k, prompt in enumerate(distinct):
+        if prompt:
+            prompts[k, width - len(prompt) :] = torch.tensor(prompt)
+            pmask[k, width - len(prompt) :] = 1
+    out = model(
+        input_ids=prompts,
+        attention_mask=pmask,
+        position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+    )
+    index = torch.tensor(which, device=device)
+    cache = _cache_of(out)
+    cache.reorder_cache(index)  # each row on its prompt's keys and values
+    # The completions, right-padded: token k of row i sits at input position plen[i] + k.
+    clen = batch.attention_mask.sum(-1) - plen
+    steps = torch.arange(max(1, int(clen.max())), device=device)
+    at = (plen[:, None] + steps).clamp(max=batch.input_ids.shape[1] - 1)
+    completions = batch.input_ids.gather(1, at)
+    cmask = steps[None, :] < clen[:, None]
+    out2 = model(
+        input_ids=completions,
+        attention_mask=torch.cat([pmask[index], cmask.long()], dim=1),
+        position_ids=plen[:, None] + steps,
+        use_cache=True,
+        **{_cache_arg(model): cache},
+    )
+    # Position k predicts completion token k: the prompt's last logits, then the completion's.
+    logits = torch.cat([out.logits[index, -1:], out2.logits[:, :-1]], dim=1).float()
     if temperature > 0.0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    # Back to the batch's layout: completion token k of row i is target column plen[i] - 1 + k.
+    target = (plen[:, None] - 1 + steps).clamp(max=batch.input_ids.shape[1] - 2)
+    shape = (len(ids), batch.input_ids.shape[1] - 1)
+    logp = torch.zeros(shape, device=device).scatter_add(1, target, torch.where(cmask, logp, 0.0))
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            ent = torch.where(cmask, -(logp_all.exp() * logp_all).sum(-1), 0.0)
+            entropy = torch.zeros(shape, device=device).scatter_add(1, target, ent)
     return logp, entropy
+
+
+def _cache_of(out):
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def _cache_arg(model) -> str:
+    """What the model's forward calls its KV cache (`cache` from transformers 5.24)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (
+        "cache"
+        if "cache" in inspect.signature(type(base).forward).parameters
+        else "past_key_values"
+    )

@@ -24,8 +24,14 @@ from echorl.trainer.losses import LOSSES, LossInputs
 
 def build_optimizer(model: PreTrainedModel, cfg: OptimConfig) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    # fused: one kernel for every tensor's update (CPU and CUDA), not one loop per tensor
+    fused = all(p.device.type in ("cpu", "cuda") for p in trainable)
     return torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        trainable,
+        fused=fused,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
     )
 
 
@@ -55,17 +61,20 @@ def train_on_batch(
 ) -> dict[str, float]:
     """PPO epochs over `batch`; returns metrics averaged over the optimiser steps.
     `audit` is given this policy's log-probs of the batch before any update (the proximal
-    pass when there is one, else a forward pass of its own)."""
+    pass when there is one, else a forward pass of its own).
+
+    With one epoch of one minibatch the proximal policy is the policy of the update's own
+    forward pass, before its step: its detached log-probs are the old ones, and no
+    separate pass is made (as TRL does with one iteration)."""
     temperature = cfg.sampling.temperature or 1.0
+    one_pass = cfg.train.ppo_epochs == 1 and cfg.train.minibatches == 1
     with torch.no_grad():
         # Without a proximal policy the behaviour log-probs are the old policy: ratio to the
         # sampler, IS weight exp(0) = 1, and one forward pass saved.
-        old_logp = (
-            token_logprobs(model, batch, temperature)[0]
-            if cfg.loss.proximal
-            else batch.behaviour_logp
-        )
-        if audit is not None:
+        old_logp = batch.behaviour_logp
+        if cfg.loss.proximal and not one_pass:
+            old_logp = token_logprobs(model, batch, temperature)[0]
+        if audit is not None and not (cfg.loss.proximal and one_pass):
             audit(old_logp if cfg.loss.proximal else token_logprobs(model, batch, temperature)[0])
         ref_logp = (
             token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
@@ -80,6 +89,9 @@ def train_on_batch(
         for idx in order.chunk(cfg.train.minibatches):
             mb = batch.rows(idx)
             logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
+            if cfg.loss.proximal and one_pass:  # this pass is the proximal one
+                old_logp = torch.empty_like(logp)
+                old_logp[idx] = logp.detach()
             inputs = LossInputs(
                 logp,
                 old_logp[idx],
@@ -91,7 +103,9 @@ def train_on_batch(
             loss, metrics = loss_fn(inputs, cfg.loss)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.optim.grad_clip, foreach=True
+            )
             if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                 # A non-finite loss or gradient never reaches the weights: this minibatch is
                 # skipped and counted (its groups' samplers are named by the caller).
@@ -108,6 +122,8 @@ def train_on_batch(
                 sums[k] += v
             steps += 1
     model.eval()
+    if audit is not None and cfg.loss.proximal and one_pass:  # after backward: the audit may
+        audit(old_logp)  # swap older weights in, which the autograd graph must not see
     out = {k: v / steps for k, v in sums.items()} if steps else {}
     out["optim/nonfinite_skipped"] = float(skipped)
     out["optim/lr"] = scheduler.get_last_lr()[0]
