@@ -10,7 +10,7 @@ as installed here, then `trl` and echorl itself, for the task and the model fold
     python bench/peer_trl.py                       # add, 100 steps, seeds 0 1 2
     python bench/peer_trl.py --steps 40 --seeds 0
 
-Writes bench/results/peer_trl.json and peer_trl.png (both loops' reward per step), and
+Writes bench/results/peer_trl_PRESET.json and .png (both loops' reward per step), and
 prints a table.
 """
 
@@ -58,10 +58,10 @@ def trl_python() -> Path:
     return python
 
 
-def warm_model(task: str, folder: Path) -> Path:
+def warm_model(task: str, preset: str, folder: Path) -> Path:
     """The demo's warm-up (supervised, on task demonstrations): both loops start from it."""
     if not (folder / "config.json").is_file():
-        cfg = load_config(None, [f"task.name={task}"])
+        cfg = load_config(None, [f"task.name={task}", f"model.preset={preset}"])
         model, tok = build_tiny_model(cfg.model.preset, cfg.model.init_seed)
         warm_up(model, tok, get_task(task), cfg.sft)
         model.save_pretrained(folder)
@@ -120,20 +120,27 @@ def run_trl(python: Path, model: Path, cfg, threads: int, out: Path) -> dict:
     return result
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, window: int = 10) -> None:
+    """Each loop's train reward per step, mean over seeds, smoothed over `window` steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (name, seed), r in runs.items():
-        style = "-" if name == "echorl" else "--"
-        ax.plot(range(1, len(r["rewards"]) + 1), r["rewards"], style, label=f"{name} seed {seed}")
+    for name, colour in (("echorl", "tab:blue"), ("trl", "tab:orange")):
+        curves = [r["rewards"] for (n, _), r in runs.items() if n == name]
+        mean = [statistics.mean(step) for step in zip(*curves)]
+        smooth = [statistics.mean(mean[max(0, i - window + 1) : i + 1]) for i in range(len(mean))]
+        steps = range(1, len(mean) + 1)
+        ax.plot(steps, mean, color=colour, alpha=0.25, linewidth=0.8)
+        ax.plot(
+            steps, smooth, color=colour, label=f"{name} ({len(curves)} seeds, {window}-step mean)"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("train reward (mean of B x G)")
-    ax.set_title("co-located GRPO: echorl vs TRL GRPOTrainer")
-    ax.legend(fontsize=7)
+    ax.set_title("co-located GRPO: echorl vs TRL GRPOTrainer, same model and prompts")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -144,6 +151,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--preset", default="1m", help="the tiny model's size (warmed up once)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "peer_trl"))
     a = ap.parse_args()
     work = Path(a.work)
@@ -157,7 +165,7 @@ def main() -> None:
         capture_output=True,
         text=True,
     ).stdout.split()
-    model = warm_model(a.task, work / "sft")
+    model = warm_model(a.task, a.preset, work / f"sft-{a.preset}")
     before = accuracy(model, load_config(None, overrides(a.task, a.seeds[0], a.steps)), a.threads)
     runs = {}
     for seed in a.seeds:
@@ -167,7 +175,8 @@ def main() -> None:
         console.print(f"seed {seed}: TRL ...")
         runs["trl", seed] = run_trl(python, model, cfg, a.threads, work / f"trl-{seed}")
     table = Table(
-        title=f"co-located GRPO, {a.task}, B=16 x G=8, {a.steps} steps, {a.threads} threads"
+        title=f"co-located GRPO, {a.preset} model, {a.task}, B=16 x G=8, {a.steps} steps, "
+        f"{a.threads} threads"
     )
     for col in ("loop", "steps/s (mean)", "per seed", "held-out acc (mean)", "per seed"):
         table.add_column(col)
@@ -189,11 +198,12 @@ def main() -> None:
         f"held-out accuracy before RL {before:.3f}; echorl runs {speedup:.2f}x TRL's steps/s"
     )
     OUT.mkdir(parents=True, exist_ok=True)
-    plot(runs, OUT / "peer_trl.png")
-    (OUT / "peer_trl.json").write_text(
+    plot(runs, OUT / f"peer_trl_{a.preset}.png")
+    (OUT / f"peer_trl_{a.preset}.json").write_text(
         json.dumps(
             {
                 "task": a.task,
+                "preset": a.preset,
                 "steps": a.steps,
                 "seeds": a.seeds,
                 "threads": a.threads,

@@ -121,7 +121,11 @@ class HFBackend:
         mask = enc["attention_mask"]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
-            input_ids=enc["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True
+            input_ids=enc["input_ids"],
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
         )
         cache = getattr(out, self._cache_arg)
         which = which.to(self.device)

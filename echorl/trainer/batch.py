@@ -150,6 +150,7 @@ def token_logprobs(
         attention_mask=pmask,
         position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
+        logits_to_keep=1,  # the prompt's last position predicts the completion's first token
     )
     index = torch.tensor(which, device=device)
     cache = _cache_of(out)
