@@ -19,7 +19,8 @@ import logging
 import random
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from fractions import Fraction
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from echorl.tasks.base import Problem
@@ -38,17 +39,45 @@ def extract_answer(completion: str) -> str:
 
 
 def equivalent(answer: str, reference: str) -> bool:
-    """math-verify's equivalence of two answers (LaTeX or plain); False on anything unparsable."""
-    from math_verify import parse, verify  # imported here: the broker starts without sympy
-
-    # It warns on every call that its timeouts are off; they are off on purpose (see above).
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    """math-verify's equivalence of two answers (LaTeX or plain); False on anything unparsable.
+    Plain numbers on both sides (`14`, `-3.5`, `1/2`) are compared exactly without it, and
+    parses are cached (a reference is parsed once per process, a group's repeated answers
+    once): a full parse costs 2-5 ms, the fast path microseconds."""
     answer = extract_answer(answer)[:MAX_ANSWER_CHARS]
     if not answer:
         return False
-    gold = parse(f"${reference}$", parsing_timeout=None)
-    pred = parse(f"${answer}$", parsing_timeout=None)
+    ours, theirs = _number(answer), _number(reference)
+    if ours is not None and theirs is not None:
+        return ours == theirs
+    from math_verify import verify  # imported here: the broker starts without sympy
+
+    gold, pred = _parse(reference), _parse(answer)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+
+
+_NUMBER = re.compile(r"(-?\d+(?:\.\d+)?)(?:\s*/\s*([1-9]\d*))?\.?")  # 12, -0.5, 3/4, 7.
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,000 and 12,345.5
+
+
+def _number(text: str) -> Fraction | None:
+    """`text` as an exact number when it is a plain one, else None (math-verify decides)."""
+    text = text.strip().strip("$").strip()
+    if _THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    m = _NUMBER.fullmatch(text)
+    if not m:
+        return None
+    value = Fraction(m.group(1))
+    return value / int(m.group(2)) if m.group(2) else value
+
+
+@lru_cache(maxsize=4096)
+def _parse(text: str):
+    from math_verify import parse
+
+    # It warns on every call that its timeouts are off; they are off on purpose (see above).
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return parse(f"${text}$", parsing_timeout=None)
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,20 @@ def test_reasoning_gym_datasets_by_name(dataset):
 def test_unknown_reasoning_gym_dataset_is_a_config_error():
     with pytest.raises(ConfigError, match="task.name: .*no dataset 'no_such_thing'"):
         load_config(None, ["task.name=rg:no_such_thing"])
+
+
+def test_plain_numbers_are_compared_exactly_without_math_verify_and_parses_are_cached():
+    from echorl.tasks.math import _parse, equivalent
+
+    _parse.cache_clear()
+    cases = [("14", "14", True), ("13", "14", False), ("0.5", "1/2", True), ("-3", "-3.0", True)]
+    cases += [("1,000", "1000", True), ("$5$", "5", True), ("7.", "7", True)]
+    for answer, reference, expected in cases:
+        assert equivalent(answer, reference) is expected, (answer, reference)
+    assert _parse.cache_info().currsize == 0  # no full parse for plain numbers
+    assert equivalent("\\frac{1}{2}", "1/2") and equivalent("x+1", "1+x")
+    assert not equivalent("abc", "14") and not equivalent("1/0", "5")
+    assert not equivalent("12,34", "1234")  # not a plain number: math-verify decides
+    before = _parse.cache_info().hits
+    assert equivalent("\\frac{1}{2}", "1/2")  # the same answer again: both parses cached
+    assert _parse.cache_info().hits == before + 2
