@@ -114,7 +114,7 @@ def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, warm_add):
 
     from tests.integration.conftest import wait_until
 
-    out, steps = tmp_path / "run", 30
+    out, steps = tmp_path / "run", 200  # long enough to be cut: 4x8 steps take ~0.07 s each
     args = [sys.executable, "-m", "echorl.cli", "run", "--out", str(out)]
     for o in (
         f"model.path={warm_add}",
