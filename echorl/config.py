@@ -190,6 +190,12 @@ class TrainConfig(_Section):
         50, ge=0, description="steps between checkpoints; 0 = only at the end"
     )
     out_dir: str = Field("runs/colocated", description="metrics, checkpoints and plots go here")
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="under torchrun, how the trainer's ranks share a step: ddp (every rank a "
+        "whole replica) or fsdp2 (parameters, gradients and optimiser state sharded); one "
+        "process: no effect",
+    )
 
     @model_validator(mode="after")
     def _divisible(self) -> TrainConfig:
@@ -388,7 +394,16 @@ class LaunchConfig(_Section):
 
     samplers: int = Field(1, ge=0, le=256, description="sampler processes to start")
     sampler_threads: int = Field(1, ge=1, le=256, description="torch threads per sampler")
-    trainer_threads: int = Field(1, ge=1, le=256, description="torch threads of the trainer")
+    trainer_threads: int = Field(
+        1, ge=1, le=256, description="torch threads of the trainer (of each of its ranks)"
+    )
+    trainer_procs: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="trainer ranks on this machine: more than 1 starts the trainer under "
+        "torchrun (train.parallel says how they share a step)",
+    )
     pin_cores: bool = Field(
         True,
         description="Linux: the trainer's compute gets the first `trainer_threads` cores to "
@@ -432,6 +447,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.group_size = {self.train.group_size}: group-relative advantages "
                 f"({self.advantage.type}) need at least 2 completions per prompt"
+            )
+        if self.train.parallel == "fsdp2" and self.model.lora.rank:
+            raise ValueError(
+                "train.parallel = fsdp2 with model.lora: LoRA trains a few per cent of the "
+                "weights, which every rank can hold; use train.parallel = ddp"
             )
         return self
 

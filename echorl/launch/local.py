@@ -58,6 +58,14 @@ class Role:
     restarts: int = 0
     due: float = 0.0  # monotonic time of the next restart, while it is dead
     retired: bool = False  # refused by the broker: never started again
+    procs: int = 1  # more than 1: started under torchrun, one process per rank
+
+    @property
+    def command(self) -> list[str]:
+        if self.procs == 1:
+            return [sys.executable, "-m", "echorl.cli", *self.args]
+        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.procs}"]
+        return [sys.executable, *torchrun, "-m", "echorl.cli", *self.args]
 
     @property
     def alive(self) -> bool:
@@ -85,10 +93,13 @@ class Swarm:
     def samplers(self) -> list[subprocess.Popen]:
         return [r.proc for n, r in self.roles.items() if n.startswith("sampler-") and r.proc]
 
-    def spawn(self, name: str, *args: str, cpus: set[int] | None = None) -> subprocess.Popen:
-        """Start `echorl ARGS` as role NAME, logging to logs/NAME.log, on the cores `cpus`."""
+    def spawn(
+        self, name: str, *args: str, cpus: set[int] | None = None, procs: int = 1
+    ) -> subprocess.Popen:
+        """Start `echorl ARGS` as role NAME (`procs` > 1: under torchrun), logging to
+        logs/NAME.log, on the cores `cpus`."""
         role = self.roles.setdefault(name, Role(name, args, cpus))
-        role.args, role.cpus = args, cpus
+        role.args, role.cpus, role.procs = args, cpus, procs
         return self.start(role)
 
     def start(self, role: Role) -> subprocess.Popen:
@@ -97,7 +108,7 @@ class Swarm:
                 log.write(f"--- echorl run: restart {role.restarts} of {role.name} ---\n")
                 log.flush()
             role.proc = subprocess.Popen(
-                [sys.executable, "-m", "echorl.cli", *role.args],
+                role.command,
                 preexec_fn=None
                 if role.cpus is None
                 else (lambda: os.sched_setaffinity(0, role.cpus)),
@@ -129,7 +140,7 @@ def core_split(cfg: RunConfig) -> tuple[set[int], set[int]] | None:
     if not cfg.launch.pin_cores or not hasattr(os, "sched_getaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
-    n = cfg.launch.trainer_threads
+    n = cfg.launch.trainer_threads * cfg.launch.trainer_procs
     if len(cores) <= n:
         return None
     return set(cores[:n]), set(cores[n:])
@@ -233,6 +244,7 @@ def launch(
             *(["--resume"] if resume else []),
             *(["--io-cpus", _cpu_list(other_cores)] if split else []),
             cpus=trainer_cores,
+            procs=cfg.launch.trainer_procs,
         )
         code = watch(swarm, cfg, console, stop)
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ import torch
 
 from echorl.protocol import GroupAudit, ScoredGroup
 from echorl.trainer.batch import Batch, token_logprobs
+from echorl.trainer.distributed import resharded
 
 
 @torch.no_grad()
@@ -58,7 +59,7 @@ class PastVersions:
     def record(self, model, version: int) -> None:
         """The trainable tensors of `model` as they are at `version`."""
         self.held[version] = {
-            n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+            n: p.detach().clone() for n, p in resharded(model).named_parameters() if p.requires_grad
         }
         for v in [v for v in self.held if v < version - self.keep]:
             del self.held[v]
@@ -78,16 +79,18 @@ class PastVersions:
             start += len(g.completions)
         if not rows:
             return logp
-        params = dict(model.named_parameters())
+        params = dict(resharded(model).named_parameters())  # FSDP2: each rank's shards
         now = {n: params[n].detach().clone() for n in self.held[latest]}
         out = logp.clone()
         try:
             for version, index in rows.items():
+                resharded(model)  # FSDP2: the next forward gathers the shards copied in here
                 for n, t in self.held[version].items():
                     params[n].copy_(t)
                 idx = torch.tensor(index)
                 out[idx] = token_logprobs(model, batch.rows(idx), temperature)[0]
         finally:
+            resharded(model)
             for n, t in now.items():
                 params[n].copy_(t)
         return out

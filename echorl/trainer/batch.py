@@ -108,7 +108,11 @@ def collate(rows: list[Row], pad_id: int) -> Batch:
 
 
 def token_logprobs(
-    model: PreTrainedModel, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
+    model: PreTrainedModel,
+    batch: Batch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, L-1) of each target token under `model` at `temperature` (0 off the
     completions), and optionally the entropy (N, L-1) of each next-token distribution.
@@ -116,7 +120,8 @@ def token_logprobs(
 
     Rows that share a prompt (a group's G completions) share its forward pass: each distinct
     prompt runs once and its KV cache is copied to its rows, whose completions then run on
-    it. Only the completions' positions reach the output layer."""
+    it. Only the completions' positions reach the output layer. `share_prompts=False` makes
+    one pass whatever the rows (FSDP2's ranks must all make the same number of passes)."""
     distinct: dict[tuple[int, ...], int] = {}
     ids = batch.input_ids.tolist()
     which = [
@@ -124,7 +129,7 @@ def token_logprobs(
         for row, p in zip(ids, batch.prompt_lens.tolist())
     ]
     device = batch.input_ids.device
-    if len(distinct) == len(ids):  # nothing shared (demonstrations, multi-turn): one pass
+    if len(distinct) == len(ids) or not share_prompts:  # demonstrations, multi-turn: one pass
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logits = logits[:, :-1].float()  # (N, L-1, V): position t predicts token t + 1
         if temperature > 0.0 and temperature != 1.0:

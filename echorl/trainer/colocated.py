@@ -150,7 +150,7 @@ def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult
     model, tokenizer = backend.model, backend.tokenizer
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim)
-    start = load_trainer_state(ckpt, opt, sched).step if ckpt else 0
+    start = load_trainer_state(ckpt, model, opt, sched).step if ckpt else 0
     log = MetricsLog(out / "metrics.jsonl", keep_through_step=start)
     before = None
     if start == 0:

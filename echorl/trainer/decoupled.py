@@ -25,12 +25,14 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from transformers import PreTrainedModel
 
 from echorl.client import BrokerClient, BrokerRejected
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_run, read_metrics
+from echorl.models.loading import load_policy
 from echorl.models.lora import (
     base_state,
     load_for_training,
@@ -45,6 +47,7 @@ from echorl.tasks import get_task
 from echorl.trainer.audit import PastVersions, audit_batch
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
+from echorl.trainer.distributed import SOLO, World, full_state, join_world, local_device, wrap
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 from echorl.trainer.weights import stream_safetensors
 
@@ -65,15 +68,21 @@ class Publisher:
         self.last_s = 0.0  # seconds the last finished upload took
         self.last_bytes = 0  # its size
 
-    def submit(self, model: PreTrainedModel, version: int) -> None:
+    def submit(
+        self, model: PreTrainedModel, version: int, gathered: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """Upload `version` in the background: the full weights, or (LoRA, after v0) the
-        adapter alone, on v0. Refuses (NonFiniteWeights) weights with a NaN or inf anywhere:
-        no sampler ever generates from a broken policy."""
+        adapter alone, on v0; `gathered`: the full weights already copied (FSDP2). Refuses
+        (NonFiniteWeights) weights with a NaN or inf anywhere: no sampler ever generates from
+        a broken policy."""
         self.wait()
-        state, meta = (
-            (base_state(model), {"format": "pt"}) if version == 0 else version_state(model, 0)
-        )
-        state = {k: t.detach().clone() for k, t in state.items()}
+        if gathered is not None:
+            state, meta = gathered, {"format": "pt"}
+        else:
+            state, meta = (
+                (base_state(model), {"format": "pt"}) if version == 0 else version_state(model, 0)
+            )
+            state = {k: t.detach().clone() for k, t in state.items()}
         broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
         if broken:
             raise NonFiniteWeights(
@@ -152,7 +161,8 @@ def swarm_metrics(client: BrokerClient) -> dict[str, float]:
 
 
 class DecoupledTrainer:
-    """One trainer process: its model, optimiser, step and the job ids it has trained on."""
+    """One trainer: its model, optimiser, step and the job ids it has trained on; in a
+    torchrun world, one rank of it (rank 0 alone talks to the broker, logs and writes)."""
 
     def __init__(
         self,
@@ -161,95 +171,135 @@ class DecoupledTrainer:
         client: BrokerClient,
         console=None,
         io_cpus: set[int] | None = None,
+        world: World = SOLO,
     ):
-        self.cfg, self.client = cfg, client
-        self.console = console or Console()
+        self.cfg, self.client, self.world = cfg, client, world
+        self.console = console or Console(quiet=not world.leader)
         self.out = Path(cfg.train.out_dir)
         self.model_dir = Path(model_dir)
         self.task = get_task(cfg.task.name)
         self.step = 0
         self.consumed: list[int] = []
         self.last_swarm: dict[str, float] = {}
-        self.publisher = Publisher(client.clone(), io_cpus)
-        # async: the next batch is pulled on this thread while the current one trains.
-        self.prefetcher = io_thread_pool("prefetch", io_cpus)
-        self.prefetch_client = client.clone()
+        self.gathered: dict[str, torch.Tensor] | None = None  # FSDP2: the last full weights
+        self.eval_model: PreTrainedModel | None = None
         self.next_batch: Future | None = None
+        if world.leader:
+            self.publisher = Publisher(client.clone(), io_cpus)
+            # async: the next batch is pulled on this thread while the current one trains.
+            self.prefetcher = io_thread_pool("prefetch", io_cpus)
+            self.prefetch_client = client.clone()
 
     def start(self, resume: bool) -> None:
         """Load the policy (or the last checkpoint), and bring the broker to the same point."""
+        world, t = self.world, self.cfg.train
         ckpt = latest_checkpoint(self.out / "checkpoints") if resume else None
+        ckpt = world.broadcast(ckpt)  # rank 0's LATEST (the output folder is shared)
+        device = local_device(self.cfg.model.device)
         self.model, self.tokenizer = load_for_training(
-            self.model_dir, ckpt and ckpt / "policy", self.cfg.model.lora, self.cfg.model.device
+            self.model_dir, ckpt and ckpt / "policy", self.cfg.model.lora, device
         )
-        # Refused (409, both fingerprints named) unless the broker runs this tokenizer and task.
-        t = self.cfg.train
-        self.client.hello(
-            TrainerHello(
-                tokenizer=RunTokenizer.from_hf(self.tokenizer).fingerprint,
-                task=self.task.name,
-                batch_prompts=t.batch_prompts,
-                group_size=t.group_size,
+        if world.leader:
+            # Refused (409, both fingerprints named) unless the broker runs this tokenizer and task.
+            self.client.hello(
+                TrainerHello(
+                    tokenizer=RunTokenizer.from_hf(self.tokenizer).fingerprint,
+                    task=self.task.name,
+                    batch_prompts=t.batch_prompts,
+                    group_size=t.group_size,
+                )
             )
-        )
         # The KL reference is the run's starting policy, also after a resume.
         self.ref_model = reference(self.model_dir, self.cfg)
+        if self.ref_model is not None and world.sharded:
+            wrap(self.ref_model, world)
+        self.wrapped = wrap(self.model, world)  # DDP around the model, or the model sharded
         self.opt = build_optimizer(self.model, self.cfg.optim)
         self.sched = build_scheduler(self.opt, self.cfg.optim)
         if ckpt:
-            state = load_trainer_state(ckpt, self.opt, self.sched)
+            state = load_trainer_state(ckpt, self.model, self.opt, self.sched, world)
             self.step, self.consumed = state.step, list(state.extra["consumed"])
-        self.log = MetricsLog(
-            self.out / "metrics.jsonl", keep_through_step=self.step, tensorboard=True
-        )
-        # Evaluation scores in a bounded worker: a verifier that hangs cannot hang the trainer.
-        self.scorer = run_pool(self.cfg, RunTokenizer.from_hf(self.tokenizer))
-        if resume:
+        if world.leader:
+            self.log = MetricsLog(
+                self.out / "metrics.jsonl", keep_through_step=self.step, tensorboard=True
+            )
+            # Evaluation scores in a bounded worker: a verifier that hangs cannot hang the trainer.
+            self.scorer = run_pool(self.cfg, RunTokenizer.from_hf(self.tokenizer))
+        publish = not resume
+        if resume and world.leader:
             reply = self.client.rewind(self.step, self.consumed)
             self.console.print(
                 f"resumed at step {self.step}: {reply.returned} groups offered again, "
                 f"{reply.regenerated} to regenerate"
             )
-            if reply.latest_version == self.step - 1:
-                self.publisher.submit(self.model, self.step)
-        else:
-            if self.client.latest() is not None:
-                raise BrokerRejected(
-                    409,
-                    "the broker already holds weight versions: pass --resume to continue that "
-                    "run, or start the broker on a fresh data dir",
-                )
-            self.publisher.submit(self.model, 0)
-        self.publisher.wait()
+            publish = reply.latest_version == self.step - 1
+        elif world.leader and self.client.latest() is not None:
+            raise BrokerRejected(
+                409,
+                "the broker already holds weight versions: pass --resume to continue that "
+                "run, or start the broker on a fresh data dir",
+            )
+        if world.broadcast(publish):
+            self.publish(self.step)
+        if world.leader:
+            self.publisher.wait()
         self.past = None  # recent versions' weights, to audit stale groups exactly
         if self.cfg.quarantine.exact_stale and self.cfg.broker.max_staleness:
             self.past = PastVersions(self.cfg.broker.max_staleness)
             self.past.record(self.model, self.step)
-        if self.step == 0:
+        if self.step == 0 and world.leader:
             self.log.write({"step": 0, **self.evaluate()})
 
+    def publish(self, version: int) -> None:
+        """Send `version` (the weights as they are now) to the broker in the background.
+        Under FSDP2 every rank calls it: the weights are gathered to rank 0 first."""
+        if self.world.sharded:
+            self.gathered = full_state(self.model, self.world)
+        if self.world.leader:
+            self.publisher.submit(self.model, version, self.gathered)
+
     def evaluate(self) -> dict[str, float]:
-        backend = HFBackend(self.model, self.tokenizer)
+        """Held-out accuracy, on rank 0 alone: the policy itself, or (FSDP2, where a forward
+        pass needs every rank) a plain copy loaded with the last gathered weights."""
+        model = self.model
+        if self.world.sharded:
+            if self.eval_model is None:
+                self.eval_model = load_policy(self.model_dir, local_device(self.cfg.model.device))[
+                    0
+                ]
+            self.eval_model.load_state_dict(self.gathered)
+            model = self.eval_model
+        backend = HFBackend(model, self.tokenizer)
         return held_out(backend, self.task, self.cfg, self.scorer).record()
 
-    def train_step(self, stop: threading.Event) -> dict | None:
-        """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups."""
+    def next_groups(self, stop: threading.Event) -> tuple[list[ScoredGroup] | None, dict]:
+        """Rank 0 pulls step `self.step`'s groups (prefetched in async mode) and every rank
+        gets them; None when stopped while waiting."""
         cfg, step = self.cfg, self.step
-        if self.next_batch is not None:
-            t0 = time.perf_counter()
-            groups, wait = self.next_batch.result()
-            wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left to wait
-            self.next_batch = None
-        else:
-            groups, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
+        groups, wait = None, {}
+        if self.world.leader:
+            if self.next_batch is not None:
+                t0 = time.perf_counter()
+                groups, wait = self.next_batch.result()
+                wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left
+                self.next_batch = None
+            else:
+                groups, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
+            if groups is not None and cfg.broker.mode == "async" and step + 1 < cfg.train.steps:
+                # Step s+1 takes staleness <= max_staleness relative to s+1 whenever it is
+                # pulled; pulling it now hides the wait and the transfer behind this step.
+                self.next_batch = self.prefetcher.submit(
+                    collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
+                )
+        return self.world.broadcast(groups), wait
+
+    def train_step(self, stop: threading.Event) -> dict | None:
+        """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups.
+        Rank 0 returns the step's record, the other ranks an empty one."""
+        cfg, step, world = self.cfg, self.step, self.world
+        groups, wait = self.next_groups(stop)
         if groups is None:
             return None
-        if cfg.broker.mode == "async" and step + 1 < cfg.train.steps:
-            # Step s+1 takes staleness <= max_staleness relative to s+1 whenever it is pulled;
-            # pulling it now hides the wait and the transfer behind this step's training.
-            self.next_batch = self.prefetcher.submit(
-                collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
-            )
         t0 = time.perf_counter()
         audits: list[GroupAudit] = []
         tolerance = cfg.quarantine.tolerance
@@ -271,24 +321,29 @@ class DecoupledTrainer:
             step,
             self.ref_model,
             audit=audit,  # the mismatch per sampler is logged even when nobody is quarantined
+            world=world,
+            wrapped=self.wrapped,
         )
         train_s = time.perf_counter() - t0
-        metrics |= self.report(audits, step) | mismatch_by_sampler(groups, audits)
-        if metrics.get("optim/nonfinite_skipped"):
-            self.console.print(
-                f"[yellow]step {step}: {metrics['optim/nonfinite_skipped']:.0f} minibatches had a "
-                "non-finite loss or gradient and were skipped; the batch came from samplers "
-                f"{sorted({g.sampler or '?' for g in groups})}"
-            )
         ids = [g.job_id for g in groups]
-        self.client.ack(ids, step)
         self.consumed += ids
-        self.publisher.submit(self.model, step + 1)
+        if world.leader:
+            metrics |= self.report(audits, step) | mismatch_by_sampler(groups, audits)
+            if metrics.get("optim/nonfinite_skipped"):
+                self.console.print(
+                    f"[yellow]step {step}: {metrics['optim/nonfinite_skipped']:.0f} minibatches "
+                    "had a non-finite loss or gradient and were skipped; the batch came from "
+                    f"samplers {sorted({g.sampler or '?' for g in groups})}"
+                )
+            self.client.ack(ids, step)
+        self.publish(step + 1)
         if self.past is not None:
             self.past.record(self.model, step + 1)
+        self.step = step + 1
+        if not world.leader:
+            return {}
         if cfg.broker.mode == "sync":  # the next batch needs these weights: nothing to overlap
             self.publisher.wait()
-        self.step = step + 1
         return {
             "step": self.step,
             "time": time.time(),
@@ -297,6 +352,7 @@ class DecoupledTrainer:
             **metrics,
             **wait,
             "trainer/step_s": train_s,
+            "trainer/ranks": world.size,
             "perf/publish_s": self.publisher.last_s,  # the last upload that finished
             "perf/publish_bytes": self.publisher.last_bytes,  # as the samplers download it
             **self.swarm(),
@@ -326,8 +382,9 @@ class DecoupledTrainer:
         return self.last_swarm
 
     def checkpoint(self) -> None:
-        # v_step is at the broker before checkpoint `step` exists: a resume relies on it.
-        self.publisher.wait()
+        """Every rank calls it (FSDP2 gathers to rank 0, which writes)."""
+        if self.world.leader:  # v_step is at the broker before checkpoint `step` exists:
+            self.publisher.wait()  # a resume relies on it
         save_checkpoint(
             self.out / "checkpoints",
             self.step,
@@ -336,39 +393,48 @@ class DecoupledTrainer:
             self.opt,
             self.sched,
             extra={"consumed": self.consumed},
+            world=self.world,
         )
 
     def run(self, stop: threading.Event) -> Path:
-        """Train until `train.steps` or `stop` (SIGTERM: checkpoint, then return)."""
-        cfg = self.cfg.train
+        """Train until `train.steps` or `stop` (SIGTERM: checkpoint, then return). In a world
+        the other ranks follow rank 0's stop: its pull answers None to everyone."""
+        cfg, leader = self.cfg.train, self.world.leader
         t_start = time.perf_counter()
-        while self.step < cfg.steps and not stop.is_set():
+        while self.step < cfg.steps and not (leader and stop.is_set()):
             record = self.train_step(stop)
             if record is None:
                 break
-            record["trainer/wall_s"] = time.perf_counter() - t_start
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                record |= self.evaluate()
-            if self.step == cfg.steps:
-                record |= self.evaluate()
-            self.log.write(record)
-            self.console.print(
-                f"step {self.step}/{cfg.steps}  reward {record['reward/mean']:.3f}  "
-                f"staleness {record['rollout/staleness_mean']:.2f}  "
-                f"idle {record['trainer/idle_s']:.2f}s  train {record['trainer/step_s']:.2f}s"
-            )
+            if leader:
+                self.log_step(record, t_start)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.checkpoint()
         self.checkpoint()
+        if not leader:
+            return self.out
         self.publisher.close()
         self.prefetcher.shutdown()  # a prefetch in flight sees `stop` (or its pull answers)
         self.prefetch_client.close()
         self.scorer.close()
         self.log.close()
         if self.step == cfg.steps:
-            save_policy(self.model, self.tokenizer, self.out / "policy")
+            save_policy(self.eval_model or self.model, self.tokenizer, self.out / "policy")
         plot_run(read_metrics(self.out / "metrics.jsonl"), self.out, f"{self.cfg.broker.mode}")
         return self.out
+
+    def log_step(self, record: dict, t_start: float) -> None:
+        cfg = self.cfg.train
+        record["trainer/wall_s"] = time.perf_counter() - t_start
+        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            record |= self.evaluate()
+        if self.step == cfg.steps:
+            record |= self.evaluate()
+        self.log.write(record)
+        self.console.print(
+            f"step {self.step}/{cfg.steps}  reward {record['reward/mean']:.3f}  "
+            f"staleness {record['rollout/staleness_mean']:.2f}  "
+            f"idle {record['trainer/idle_s']:.2f}s  train {record['trainer/step_s']:.2f}s"
+        )
 
 
 def run_trainer(
@@ -380,12 +446,20 @@ def run_trainer(
     stop: threading.Event | None = None,
     io_cpus: set[int] | None = None,
 ) -> Path:
-    trainer = DecoupledTrainer(cfg, model_dir, client, console, io_cpus)
-    if hasattr(os, "sched_getaffinity"):
-        cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-        trainer.console.print(f"trainer on cores {cores}")
-    trainer.start(resume)
-    return trainer.run(stop or threading.Event())
+    """The trainer process, or (under torchrun) one rank of it."""
+    world = join_world(cfg.train.parallel, cfg.model.device)
+    try:
+        trainer = DecoupledTrainer(
+            cfg, model_dir, client, console if world.leader else None, io_cpus, world
+        )
+        if hasattr(os, "sched_getaffinity"):
+            cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+            where = f" ({world.size} ranks, {world.strategy})" if world.started else ""
+            trainer.console.print(f"trainer on cores {cores}{where}")
+        trainer.start(resume)
+        return trainer.run(stop or threading.Event())
+    finally:
+        world.close()
 
 
 def mismatch_by_sampler(groups: list[ScoredGroup], audits: list[GroupAudit]) -> dict[str, float]:

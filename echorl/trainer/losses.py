@@ -32,19 +32,31 @@ class LossInputs:
     advantages: torch.Tensor  # (N,) one per sequence
     mask: torch.Tensor  # (N, T) 1 on completion tokens; prompt and padding are 0
     ref_logp: torch.Tensor | None = None  # (N, T) frozen reference, for the KL term
+    # When these rows are one rank's share of a minibatch: the whole minibatch's completion
+    # tokens and rows with a token, the denominators of its means (None: these rows alone).
+    tokens: float | None = None
+    rows: float | None = None
+
+    def mean(self, x: torch.Tensor, aggregation: str = "token_mean") -> torch.Tensor:
+        return masked_mean(x, self.mask.to(x.dtype), aggregation, self.tokens, self.rows)
 
 
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean"
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str = "token_mean",
+    tokens: float | None = None,
+    rows: float | None = None,
 ) -> torch.Tensor:
     """token_mean: sum(x*m) / sum(m) over everything; seq_mean: per-row mean, then mean of rows
-    (rows with no tokens are skipped)."""
+    (rows with no tokens are skipped). `tokens` / `rows` replace the denominators when these
+    rows are a share of a larger batch, so that the shares' means add up to the whole's."""
     if aggregation == "token_mean":
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    tokens = mask.sum(dim=1)
-    rows = tokens > 0
-    per_row = (x * mask).sum(dim=1)[rows] / tokens[rows]
-    return per_row.mean() if per_row.numel() else x.sum() * 0.0
+        return (x * mask).sum() / (mask.sum().clamp(min=1) if tokens is None else max(tokens, 1))
+    per_row_tokens = mask.sum(dim=1)
+    has = per_row_tokens > 0
+    total = (x * mask).sum(dim=1)[has] / per_row_tokens[has]
+    return total.sum() / (has.sum().clamp(min=1) if rows is None else max(rows, 1))
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -66,8 +78,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[
     Asymmetric bounds are DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476).
     When sampler and trainer agree, w_t = 1 and this is plain PPO/GRPO.
     """
-    m = inp.mask.to(inp.logp.dtype)
-    keep = m.bool()
+    keep = inp.mask.bool()
     # Zero outside the mask first, so padding garbage can never turn into inf * 0 = nan.
     log_ratio = torch.where(keep, inp.logp - inp.old_logp, 0.0)
     log_is = torch.where(keep, inp.old_logp - inp.behaviour_logp, 0.0).detach()
@@ -81,15 +92,15 @@ def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[
     if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
         kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
         per_token = per_token + cfg.kl_coef * kl
-        metrics["loss/kl_ref"] = masked_mean(kl.detach(), m).item()
-    loss = masked_mean(per_token, m, cfg.aggregation)
+        metrics["loss/kl_ref"] = inp.mean(kl.detach()).item()
+    loss = inp.mean(per_token, cfg.aggregation)
     with torch.no_grad():
         metrics |= {
             "loss/policy": loss.item(),
-            "loss/clip_frac": masked_mean((surr_clipped < surr).float(), m).item(),
-            "loss/approx_kl_old": masked_mean(k3_kl(inp.logp, inp.old_logp), m).item(),
-            "loss/is_weight_mean": masked_mean(is_weight, m).item(),
-            "loss/is_clip_frac": masked_mean((torch.exp(log_is) > cfg.is_cap).float(), m).item(),
+            "loss/clip_frac": inp.mean((surr_clipped < surr).float()).item(),
+            "loss/approx_kl_old": inp.mean(k3_kl(inp.logp, inp.old_logp)).item(),
+            "loss/is_weight_mean": inp.mean(is_weight).item(),
+            "loss/is_clip_frac": inp.mean((torch.exp(log_is) > cfg.is_cap).float()).item(),
         }
     return loss, metrics
 

@@ -8,8 +8,10 @@ and the decoupled trainer; it knows nothing of where the groups came from.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
@@ -19,6 +21,7 @@ from echorl.protocol import ScoredGroup
 from echorl.seeding import derive_seed
 from echorl.trainer.advantages import compute_advantages
 from echorl.trainer.batch import Batch, batch_from_groups, token_logprobs
+from echorl.trainer.distributed import SOLO, World, full_grad_norm
 from echorl.trainer.losses import LOSSES, LossInputs
 
 
@@ -49,6 +52,21 @@ def groups_to_batch(groups: list[ScoredGroup], pad_id: int, cfg: RunConfig) -> B
     return batch_from_groups(groups, compute_advantages(rewards, cfg.advantage), pad_id)
 
 
+def world_logprobs(
+    model: PreTrainedModel, batch: Batch, temperature: float, world: World = SOLO
+) -> torch.Tensor:
+    """`token_logprobs` of the whole batch (no gradient), each rank computing its share of
+    the rows; every rank gets all of them."""
+    if world.size == 1:
+        return token_logprobs(model, batch, temperature)[0]
+    mine, stand_in = world.rows(torch.arange(len(batch)))
+    part = token_logprobs(model, batch.rows(mine), temperature, share_prompts=not world.sharded)[0]
+    out = torch.zeros_like(batch.behaviour_logp)
+    if not stand_in:
+        out[mine] = part
+    return world.sum(out)
+
+
 def train_on_batch(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -58,6 +76,8 @@ def train_on_batch(
     ref_model: PreTrainedModel | None = None,
     seed: int = 0,
     audit: Callable[[torch.Tensor], None] | None = None,
+    world: World = SOLO,
+    wrapped: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """PPO epochs over `batch`; returns metrics averaged over the optimiser steps.
     `audit` is given this policy's log-probs of the batch before any update (the proximal
@@ -65,7 +85,12 @@ def train_on_batch(
 
     With one epoch of one minibatch the proximal policy is the policy of the update's own
     forward pass, before its step: its detached log-probs are the old ones, and no
-    separate pass is made (as TRL does with one iteration)."""
+    separate pass is made (as TRL does with one iteration).
+
+    In a torchrun `world` every rank holds the whole batch, trains through `wrapped` (DDP or
+    FSDP2 around `model`) on its share of each minibatch's rows, and returns the same
+    metrics (trainer/distributed.py)."""
+    wrapped = wrapped or model
     temperature = cfg.sampling.temperature or 1.0
     one_pass = cfg.train.ppo_epochs == 1 and cfg.train.minibatches == 1
     with torch.no_grad():
@@ -73,40 +98,58 @@ def train_on_batch(
         # sampler, IS weight exp(0) = 1, and one forward pass saved.
         old_logp = batch.behaviour_logp
         if cfg.loss.proximal and not one_pass:
-            old_logp = token_logprobs(model, batch, temperature)[0]
+            old_logp = world_logprobs(model, batch, temperature, world)
         if audit is not None and not (cfg.loss.proximal and one_pass):
-            audit(old_logp if cfg.loss.proximal else token_logprobs(model, batch, temperature)[0])
+            audit(
+                old_logp if cfg.loss.proximal else world_logprobs(model, batch, temperature, world)
+            )
         ref_logp = (
-            token_logprobs(ref_model, batch, temperature)[0] if ref_model is not None else None
+            world_logprobs(ref_model, batch, temperature, world) if ref_model is not None else None
         )
+    if cfg.loss.proximal and one_pass:  # filled from the update's own pass
+        old_logp = torch.zeros_like(batch.behaviour_logp)
     loss_fn = LOSSES[cfg.loss.type]
     gen = torch.Generator().manual_seed(seed)
     sums: dict[str, float] = defaultdict(float)
     steps = skipped = 0
-    model.train()
+    wrapped.train()
     for _ in range(cfg.train.ppo_epochs):
         order = torch.randperm(len(batch), generator=gen)
         for idx in order.chunk(cfg.train.minibatches):
-            mb = batch.rows(idx)
-            logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
-            if cfg.loss.proximal and one_pass:  # this pass is the proximal one
-                old_logp = torch.empty_like(logp)
-                old_logp[idx] = logp.detach()
+            mine, stand_in = world.rows(idx)
+            mb = batch.rows(mine)
+            if stand_in:  # passes like everyone's, no loss
+                mb = replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
+            whole = batch.loss_mask[idx]
+            logp, entropy = token_logprobs(
+                wrapped, mb, temperature, with_entropy=True, share_prompts=not world.sharded
+            )
+            if cfg.loss.proximal and one_pass and not stand_in:  # this pass is the proximal one
+                old_logp[mine] = logp.detach()
             inputs = LossInputs(
                 logp,
-                old_logp[idx],
+                old_logp[mine],
                 mb.behaviour_logp,
                 mb.advantages,
                 mb.loss_mask,
-                None if ref_logp is None else ref_logp[idx],
+                None if ref_logp is None else ref_logp[mine],
+                tokens=float(whole.sum()) if world.size > 1 else None,
+                rows=float((whole.sum(1) > 0).sum()) if world.size > 1 else None,
             )
             loss, metrics = loss_fn(inputs, cfg.loss)
+            metrics["policy/entropy"] = inputs.mean(entropy).item()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.optim.grad_clip, foreach=True
+            (loss * world.size).backward()  # DDP and FSDP2 average the ranks' gradients
+            grad_norm = full_grad_norm(
+                torch.nn.utils.clip_grad_norm_(
+                    wrapped.parameters(), cfg.optim.grad_clip, foreach=True
+                )
             )
-            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            if world.size > 1:  # each rank's share of every mean, added up
+                keys = sorted(metrics)
+                total = world.sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
+                metrics = dict(zip(keys, total.tolist()))
+            if not (math.isfinite(metrics["loss/policy"]) and torch.isfinite(grad_norm)):
                 # A non-finite loss or gradient never reaches the weights: this minibatch is
                 # skipped and counted (its groups' samplers are named by the caller).
                 optimizer.zero_grad(set_to_none=True)
@@ -114,16 +157,15 @@ def train_on_batch(
                 continue
             optimizer.step()
             scheduler.step()
-            metrics["policy/entropy"] = (
-                (entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
-            ).item()
             metrics["optim/grad_norm"] = grad_norm.item()
             for k, v in metrics.items():
                 sums[k] += v
             steps += 1
-    model.eval()
-    if audit is not None and cfg.loss.proximal and one_pass:  # after backward: the audit may
-        audit(old_logp)  # swap older weights in, which the autograd graph must not see
+    wrapped.eval()
+    if cfg.loss.proximal and one_pass:
+        world.sum(old_logp)
+        if audit is not None:  # after backward: the audit may swap older weights in, which
+            audit(old_logp)  # the autograd graph must not see
     out = {k: v / steps for k, v in sums.items()} if steps else {}
     out["optim/nonfinite_skipped"] = float(skipped)
     out["optim/lr"] = scheduler.get_last_lr()[0]
@@ -144,8 +186,11 @@ def update_policy(
     step: int,
     ref_model: PreTrainedModel | None = None,
     audit: Callable[[list[ScoredGroup], Batch, torch.Tensor], None] | None = None,
+    world: World = SOLO,
+    wrapped: torch.nn.Module | None = None,
 ) -> dict[str, float]:
-    """The trainer's step on scored groups, shared by the co-located and the decoupled loop.
+    """The trainer's step on scored groups, shared by the co-located and the decoupled loop
+    (and, with `world` and `wrapped`, by every rank of a torchrun trainer).
 
     Flat groups (all rewards equal) are left out when `train.drop_flat_groups`; a step with
     nothing left makes no optimiser step and reports `optim/skipped = 1`. `audit(groups,
@@ -157,7 +202,7 @@ def update_policy(
     if audit is not None and flat:  # not trained on, but audited all the same
         with torch.no_grad():
             flat_batch = groups_to_batch(flat, pad_id, cfg)
-            logp = token_logprobs(model, flat_batch, cfg.sampling.temperature or 1.0)[0]
+            logp = world_logprobs(model, flat_batch, cfg.sampling.temperature or 1.0, world)
             audit(flat, flat_batch, logp)
     if not informative:
         return {"optim/skipped": 1.0}
@@ -171,5 +216,7 @@ def update_policy(
         ref_model,
         seed=derive_seed(cfg.train.seed, "shuffle", step),
         audit=None if audit is None else lambda logp: audit(informative, batch, logp),
+        world=world,
+        wrapped=wrapped,
     )
     return metrics | {"optim/skipped": 0.0}

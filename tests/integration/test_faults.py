@@ -65,10 +65,10 @@ def stop_all(samplers):
     return [s.communicate(timeout=60)[0] for s in samplers]
 
 
-def assert_each_step_consumed_once(data, steps, bound=0):
+def assert_each_step_consumed_once(data, steps, bound=0, b=B):
     rows = query(data, "SELECT job_id, version, consumed_step FROM rollouts WHERE state='consumed'")
-    assert len(rows) == steps * B and len({j for j, _, _ in rows}) == steps * B
-    assert Counter(step for _, _, step in rows) == {s: B for s in range(steps)}
+    assert len(rows) == steps * b and len({j for j, _, _ in rows}) == steps * b
+    assert Counter(step for _, _, step in rows) == {s: b for s in range(steps)}
     assert all(0 <= step - version <= bound for _, version, step in rows)
 
 
@@ -123,13 +123,19 @@ def test_kill_9_the_trainer_then_resume(tmp_path, model):
         stop_all(samplers)
         stop_broker(broker)
     assert "resumed at step 4" in shown or "resumed at step 6" in shown, shown
+    assert_resumed_exactly(out, tmp_path / "b", steps)
+
+
+def assert_resumed_exactly(out, data, steps):
+    """A resumed trainer logged every step once, trained each on B groups, and its last
+    checkpoint's consumed set is exactly what the broker holds as consumed."""
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if "reward/mean" in r] == list(range(1, steps + 1))
-    assert_each_step_consumed_once(tmp_path / "b", steps, bound=1)
+    assert_each_step_consumed_once(data, steps, bound=1)
     state = torch.load(out / "checkpoints" / f"step_{steps:07d}" / "trainer_state.pt")
     consumed = state["extra"]["consumed"]
     assert len(consumed) == len(set(consumed)) == steps * B
-    rows = query(tmp_path / "b", "SELECT job_id FROM rollouts WHERE state = 'consumed'")
+    rows = query(data, "SELECT job_id FROM rollouts WHERE state = 'consumed'")
     assert set(consumed) == {r[0] for r in rows}
 
 

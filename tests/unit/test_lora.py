@@ -67,6 +67,15 @@ def test_a_target_the_model_lacks_is_named():
         add_lora(model, spec_of(LoraSettings(rank=4, targets=["wq"])))
 
 
+def same(ours, theirs, tol=1e-5) -> bool:
+    """The same tokens, and log-probs within `tol` (peft's adapter-off path may sum in
+    another order than the plain model: a few 1e-7 apart)."""
+    return len(ours) == len(theirs) and all(
+        a.token_ids == b.token_ids and max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < tol
+        for a, b in zip(ours, theirs)
+    )
+
+
 def test_the_hf_backend_applies_adapters_as_the_trainer_computes_them():
     model, tok = build_tiny_model("1m")
     sampler = HFBackend(copy.deepcopy(model), tok, keep_adapters=2)
@@ -82,20 +91,18 @@ def test_the_hf_backend_applies_adapters_as_the_trainer_computes_them():
             trainer.generate_ids(CONTEXTS, GREEDY, 8, 0),
             sampler.generate_ids(CONTEXTS, GREEDY, 8, 0),
         )
-        for a, b in zip(ours, theirs):
-            assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        assert same(ours, theirs)
         outputs[version] = [c.logprobs for c in theirs]
     assert outputs[1] != outputs[3]
     assert sampler.adapters == [2, 3]  # keep_adapters = 2: v1 was dropped
     sampler.use_adapter(2)  # resident: no download, the same function as before
     assert [c.logprobs for c in sampler.generate_ids(CONTEXTS, GREEDY, 8, 0)] == outputs[2]
     sampler.use_adapter(None)  # the full weights alone
-    assert sampler.generate_ids(CONTEXTS, GREEDY, 8, 0) == base
+    assert same(sampler.generate_ids(CONTEXTS, GREEDY, 8, 0), base)
     with pytest.raises(KeyError, match="not resident"):
         sampler.use_adapter(1)
     sampler.load_weights(base_state(trainer_model))  # a new full version drops the adapters
-    assert sampler.adapters == [] and sampler.generate_ids(CONTEXTS, GREEDY, 8, 0) == base
+    assert sampler.adapters == [] and same(sampler.generate_ids(CONTEXTS, GREEDY, 8, 0), base)
 
 
 def test_adapters_keep_the_newest_and_replace_a_version_published_again():

@@ -1,0 +1,5 @@
+"""`python -m echorl ...` is `echorl ...` (and `torchrun -m echorl trainer ...` a trainer world)."""
+
+from echorl.cli import app
+
+app(prog_name="echorl")
