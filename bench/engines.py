@@ -63,9 +63,9 @@ def mismatch(trainer, completions, contexts) -> tuple[float, float]:
     return delta.abs().mean().item(), delta.mean().item()
 
 
-def make_backend(kind: str, folder: Path, dtype: str, lora: bool):
+def make_backend(kind: str, folder: Path, dtype: str, lora: bool, device: str = "cpu"):
     if kind == "hf":
-        model, tok = load_policy(folder, dtype=getattr(torch, dtype))
+        model, tok = load_policy(folder, device, dtype=getattr(torch, dtype))
         return HFBackend(model, tok)
     from echorl.models.tokenizer import RunTokenizer
     from echorl.rollout.vllm_backend import VLLMBackend
@@ -81,7 +81,7 @@ def bench(kind: str, preset: str, folder: Path, args) -> list[dict]:
     rows = []
     for dtype in ("float32", "bfloat16"):
         t0 = time.perf_counter()
-        backend = make_backend(kind, folder, dtype, lora=dtype == "float32")
+        backend = make_backend(kind, folder, dtype, lora=dtype == "float32", device=args.device)
         start_s = time.perf_counter() - t0
         backend.generate_ids(contexts[:8], params, 4, seed=0)  # warm-up
         speeds, last = [], None
@@ -95,6 +95,7 @@ def bench(kind: str, preset: str, folder: Path, args) -> list[dict]:
             "backend": kind,
             "preset": preset,
             "dtype": dtype,
+            "device": args.device,
             "start_s": start_s,
             "tokens_per_s": statistics.median(speeds),
             "mismatch_abs": abs_d,
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="the hf backend's device (cuda on a GPU)")
+    ap.add_argument("--json", type=Path, default=OUT / "engines.json", help="where results go")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -155,7 +158,8 @@ def main() -> None:
                     console.print(f"{kind} on {preset}: {reason}")
                     rows.append({"backend": kind, "preset": preset, "error": reason})
     table = Table(
-        title=f"engines: {args.batch} x {args.group} completions of {args.new_tokens} tokens, {args.threads} threads"
+        title=f"engines: {args.batch} x {args.group} completions of {args.new_tokens} tokens, "
+        f"{args.threads} threads, {args.device}"
     )
     for col in (
         "preset",
@@ -197,13 +201,14 @@ def main() -> None:
             f"{s['lora_r8'] / s['full_fp32']:.1%}",
         )
     console.print(sizes_table)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "engines.json").write_text(
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
         json.dumps(
             {
-                "args": vars(args),
+                "args": {k: str(v) for k, v in vars(args).items()},
                 "torch": torch.__version__,
                 "machine": platform.machine(),
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 "rows": rows,
                 "bytes": sizes,
             },

@@ -58,13 +58,13 @@ class Role:
     restarts: int = 0
     due: float = 0.0  # monotonic time of the next restart, while it is dead
     retired: bool = False  # refused by the broker: never started again
-    procs: int = 1  # more than 1: started under torchrun, one process per rank
+    ranks: int | None = None  # started under torchrun with this many ranks; None: plainly
 
     @property
     def command(self) -> list[str]:
-        if self.procs == 1:
+        if self.ranks is None:
             return [sys.executable, "-m", "echorl.cli", *self.args]
-        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.procs}"]
+        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}"]
         return [sys.executable, *torchrun, "-m", "echorl.cli", *self.args]
 
     @property
@@ -94,12 +94,12 @@ class Swarm:
         return [r.proc for n, r in self.roles.items() if n.startswith("sampler-") and r.proc]
 
     def spawn(
-        self, name: str, *args: str, cpus: set[int] | None = None, procs: int = 1
+        self, name: str, *args: str, cpus: set[int] | None = None, ranks: int | None = None
     ) -> subprocess.Popen:
-        """Start `echorl ARGS` as role NAME (`procs` > 1: under torchrun), logging to
-        logs/NAME.log, on the cores `cpus`."""
+        """Start `echorl ARGS` as role NAME (under torchrun with `ranks` ranks, if given),
+        logging to logs/NAME.log, on the cores `cpus`."""
         role = self.roles.setdefault(name, Role(name, args, cpus))
-        role.args, role.cpus, role.procs = args, cpus, procs
+        role.args, role.cpus, role.ranks = args, cpus, ranks
         return self.start(role)
 
     def start(self, role: Role) -> subprocess.Popen:
@@ -244,7 +244,10 @@ def launch(
             *(["--resume"] if resume else []),
             *(["--io-cpus", _cpu_list(other_cores)] if split else []),
             cpus=trainer_cores,
-            procs=cfg.launch.trainer_procs,
+            # torchrun for more than one rank, and for FSDP2 (a world even of one rank)
+            ranks=cfg.launch.trainer_procs
+            if cfg.launch.trainer_procs > 1 or cfg.train.parallel == "fsdp2"
+            else None,
         )
         code = watch(swarm, cfg, console, stop)
     except KeyboardInterrupt:

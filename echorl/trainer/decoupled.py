@@ -82,7 +82,8 @@ class Publisher:
             state, meta = (
                 (base_state(model), {"format": "pt"}) if version == 0 else version_state(model, 0)
             )
-            state = {k: t.detach().clone() for k, t in state.items()}
+            # A copy the training step cannot change while it uploads (on the CPU: from a GPU).
+            state = {k: t.detach().to("cpu", copy=True) for k, t in state.items()}
         broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
         if broken:
             raise NonFiniteWeights(
@@ -454,7 +455,11 @@ def run_trainer(
         )
         if hasattr(os, "sched_getaffinity"):
             cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-            where = f" ({world.size} ranks, {world.strategy})" if world.started else ""
+            where = (
+                f" ({world.size} rank{'s' * (world.size > 1)}, {world.strategy})"
+                if world.started
+                else ""
+            )
             trainer.console.print(f"trainer on cores {cores}{where}")
         trainer.start(resume)
         return trainer.run(stop or threading.Event())

@@ -61,9 +61,13 @@ class World:
         return box[0]
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over ranks, in place."""
+        """`t` summed over ranks, in place (NCCL reduces on the GPU: a CPU `t` goes there
+        and back)."""
         if self.size > 1:
-            dist.all_reduce(t)
+            if t.device.type == "cpu" and dist.get_backend() == "nccl":
+                t.copy_(self.sum(t.to(torch.cuda.current_device())).cpu())
+            else:
+                dist.all_reduce(t)
         return t
 
     def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -74,9 +74,10 @@ def warm_up(
     batches = demonstration_batches(task, tokenizer, cfg, params)
     bar = progress.add_task(f"warm-up on {task.name}", total=cfg.steps) if progress else None
     losses = []
+    device = next(model.parameters()).device
     model.train()
     for _ in range(cfg.steps):
-        batch = next(batches)
+        batch = next(batches).to(device)
         logp, _ = token_logprobs(model, batch)
         loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
         opt.zero_grad(set_to_none=True)

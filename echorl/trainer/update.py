@@ -47,9 +47,12 @@ def build_scheduler(
     )
 
 
-def groups_to_batch(groups: list[ScoredGroup], pad_id: int, cfg: RunConfig) -> Batch:
+def groups_to_batch(
+    groups: list[ScoredGroup], pad_id: int, cfg: RunConfig, device: torch.device | str = "cpu"
+) -> Batch:
+    """The groups' rows, padded, with their advantages, on `device` (the policy's)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (n_groups, G)
-    return batch_from_groups(groups, compute_advantages(rewards, cfg.advantage), pad_id)
+    return batch_from_groups(groups, compute_advantages(rewards, cfg.advantage), pad_id).to(device)
 
 
 def world_logprobs(
@@ -199,14 +202,15 @@ def update_policy(
     keep = [not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1 for g in groups]
     informative = [g for g, k in zip(groups, keep) if k]
     flat = [g for g, k in zip(groups, keep) if not k]
+    device = next(model.parameters()).device
     if audit is not None and flat:  # not trained on, but audited all the same
         with torch.no_grad():
-            flat_batch = groups_to_batch(flat, pad_id, cfg)
+            flat_batch = groups_to_batch(flat, pad_id, cfg, device)
             logp = world_logprobs(model, flat_batch, cfg.sampling.temperature or 1.0, world)
             audit(flat, flat_batch, logp)
     if not informative:
         return {"optim/skipped": 1.0}
-    batch = groups_to_batch(informative, pad_id, cfg)
+    batch = groups_to_batch(informative, pad_id, cfg, device)
     metrics = train_on_batch(
         model,
         optimizer,
