@@ -103,6 +103,9 @@ def measure(name: str, out: Path, target: float) -> dict:
         sampler_busy = sum(b["sampler/gen_s"] for b in batches) / max(span, walls[-1])
         t_gen = statistics.mean(b["sampler/gen_s"] for b in batches)  # one lease = one batch
     t_train = statistics.mean(r["trainer/step_s"] for r in train)
+    # The update alone, without the decoupled trainer's audit of the samplers (its passes over
+    # flat groups and stale versions): what compares with the co-located loop's training phase.
+    t_update = statistics.mean(r.get("trainer/update_s", r["trainer/step_s"]) for r in train)
     steps_per_s = len(train) / walls[-1]
     k = min(10, len(train))
     return {
@@ -116,6 +119,7 @@ def measure(name: str, out: Path, target: float) -> dict:
         "sampler_util": sampler_busy,
         "t_generate_s": t_gen,
         "t_train_s": t_train,
+        "t_update_s": t_update,
         # Async's promise: a step costs only the slower phase. Meaningless for a serial loop.
         "overlap_eff": None if name.startswith("colocated") else steps_per_s * max(t_gen, t_train),
         # Sync alternates by design: only async can hope for a step as cheap as its slower phase.
@@ -162,7 +166,7 @@ def main() -> None:
             console.print(f"seed {seed} {name:9s} done in {time.time() - t0:.0f} s")
     table = Table(title=f"protocols: add, 1m model, {args.steps} steps x {len(args.seeds)} seeds")
     cols = ("final_reward", "eval_after", "s_per_step", "time_to_target_s", "trainer_util")
-    cols += ("sampler_util", "t_generate_s", "t_train_s", "overlap_eff")
+    cols += ("sampler_util", "t_generate_s", "t_train_s", "t_update_s", "overlap_eff")
     table.add_column("config")
     for c in cols:
         table.add_column(c.replace("_", " "))
@@ -188,6 +192,13 @@ def main() -> None:
             "-" if ideal is None else f"{ideal:.2f}",
         )
     console.print(table)
+    if "colocated-1t" in results:  # the same work on the same one core, with and without I/O
+        alone = statistics.mean(r["t_update_s"] for r in results["colocated-1t"])
+        for name, runs in results.items():
+            if not name.startswith("colocated"):
+                ratio = statistics.mean(r["t_update_s"] for r in runs) / alone
+                summary[name]["update_vs_colocated_1t"] = ratio
+                console.print(f"{name}: T_update / colocated-1t's T_train = {ratio:.3f}")
     console.print(
         "x colocated: steps/s over the co-located loop's (all cores); ideal x: what perfect "
         "overlap would give, colocated s/step / max(T_generate, T_train) of this config"

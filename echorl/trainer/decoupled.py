@@ -22,7 +22,6 @@ import os
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,100 +44,37 @@ from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
 from echorl.trainer.audit import PastVersions, audit_batch
+from echorl.trainer.brokerio import BrokerIO
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.distributed import SOLO, World, full_state, join_world, local_device, wrap
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
-from echorl.trainer.weights import stream_safetensors
 
 
 class NonFiniteWeights(RuntimeError):
     """The policy holds a NaN or inf: it is never published."""
 
 
-class Publisher:
-    """Uploads weight versions on a background thread, one at a time and in order, so the
-    trainer can pull its next batch while the last version is still on the wire (async).
-    It has its own HTTP client: requests never interleave with the trainer's."""
-
-    def __init__(self, client: BrokerClient, cpus: set[int] | None = None):
-        self.client = client
-        self.pool = io_thread_pool("publish", cpus)
-        self.pending: Future | None = None
-        self.last_s = 0.0  # seconds the last finished upload took
-        self.last_bytes = 0  # its size
-
-    def submit(
-        self, model: PreTrainedModel, version: int, gathered: dict[str, torch.Tensor] | None = None
-    ) -> None:
-        """Upload `version` in the background: the full weights, or (LoRA, after v0) the
-        adapter alone, on v0; `gathered`: the full weights already copied (FSDP2). Refuses
-        (NonFiniteWeights) weights with a NaN or inf anywhere: no sampler ever generates from
-        a broken policy."""
-        self.wait()
-        if gathered is not None:
-            state, meta = gathered, {"format": "pt"}
-        else:
-            state, meta = (
-                (base_state(model), {"format": "pt"}) if version == 0 else version_state(model, 0)
-            )
-            # A copy the training step cannot change while it uploads (on the CPU: from a GPU).
-            state = {k: t.detach().to("cpu", copy=True) for k, t in state.items()}
-        broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
-        if broken:
-            raise NonFiniteWeights(
-                f"version {version} has non-finite values in {len(broken)} tensors (e.g. "
-                f"{broken[0]}): not published"
-            )
-        self.pending = self.pool.submit(self._publish, state, meta, version)
-
-    def _publish(self, state: dict, meta: dict, version: int) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        stored = self.client.publish_stream(version, *stream_safetensors(state, meta))
-        return time.perf_counter() - t0, stored.size_bytes
-
-    def wait(self) -> None:
-        """Block until the last submitted version is stored at the broker (errors surface here)."""
-        if self.pending is not None:
-            self.last_s, self.last_bytes = self.pending.result()
-            self.pending = None
-
-    def close(self) -> None:
-        self.wait()
-        self.pool.shutdown()
-        self.client.close()
-
-
-def io_thread_pool(name: str, cpus: set[int] | None) -> ThreadPoolExecutor:
-    """One worker thread for uploads or prefetches; on `cpus` when given (Linux), away from
-    the training thread's cores."""
-
-    def pin() -> None:
-        os.sched_setaffinity(0, cpus)  # 0: the calling thread only (Linux)
-
-    return ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=name, initializer=pin if cpus else None
-    )
-
-
-def collect(
-    client: BrokerClient, n: int, step: int, stop: threading.Event, wait_s: float = 1.0
-) -> tuple[list[ScoredGroup] | None, dict]:
-    """Pull until `n` groups are in hand, sorted by job id (so the batch does not depend on
-    arrival order); None if `stop` was set first. Each pull is a long poll that the broker
-    answers as soon as groups are pushed. Also returns the idle time and stale drops."""
-    groups, dropped, t0 = [], 0, time.perf_counter()
-    while len(groups) < n:
-        if stop.is_set():
-            return None, {}
-        reply = client.pull(n - len(groups), step, wait_s)
-        groups += reply.groups
-        dropped += reply.dropped_stale
-    groups.sort(key=lambda g: g.job_id)
-    return groups, {
-        "trainer/idle_s": time.perf_counter() - t0,
-        "broker/groups_dropped_stale": dropped,
-    }
+def publishable(
+    model: PreTrainedModel, version: int, gathered: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What version `version` sends: the full weights on v0 (or `gathered`, the full weights
+    an FSDP2 world collected), after that the adapter alone for LoRA. Refuses
+    (NonFiniteWeights) weights with a NaN or inf anywhere: no sampler ever generates from a
+    broken policy."""
+    if gathered is not None:
+        state, meta = gathered, {"format": "pt"}
+    elif version == 0:
+        state, meta = base_state(model), {"format": "pt"}
+    else:
+        state, meta = version_state(model, 0)
+    broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
+    if broken:
+        raise NonFiniteWeights(
+            f"version {version} has non-finite values in {len(broken)} tensors (e.g. "
+            f"{broken[0]}): not published"
+        )
+    return state, meta
 
 
 def staleness_metrics(groups: list[ScoredGroup], step: int) -> dict:
@@ -149,15 +85,6 @@ def staleness_metrics(groups: list[ScoredGroup], step: int) -> dict:
         "rollout/staleness_max": max(stale),
         "rollout/staleness_hist": [hist.get(k, 0) for k in range(max(stale) + 1)],
         "rollout/versions": sorted({g.version for g in groups}),
-    }
-
-
-def swarm_metrics(client: BrokerClient) -> dict[str, float]:
-    """Samplers alive and their summed generation speed, as they last reported it."""
-    alive = [s for s in client.status().samplers if s.state == "alive"]
-    return {
-        "samplers/alive": len(alive),
-        "samplers/tokens_per_s": sum(s.tokens_per_s or 0.0 for s in alive),
     }
 
 
@@ -181,15 +108,11 @@ class DecoupledTrainer:
         self.task = get_task(cfg.task.name)
         self.step = 0
         self.consumed: list[int] = []
-        self.last_swarm: dict[str, float] = {}
         self.gathered: dict[str, torch.Tensor] | None = None  # FSDP2: the last full weights
         self.eval_model: PreTrainedModel | None = None
-        self.next_batch: Future | None = None
-        if world.leader:
-            self.publisher = Publisher(client.clone(), io_cpus)
-            # async: the next batch is pulled on this thread while the current one trains.
-            self.prefetcher = io_thread_pool("prefetch", io_cpus)
-            self.prefetch_client = client.clone()
+        self.prefetched = False  # async: the helper is already pulling this step's groups
+        if world.leader:  # pulls, acks, audits and uploads: in a process of their own
+            self.io = BrokerIO(client, io_cpus, spill=self.out)
 
     def start(self, resume: bool) -> None:
         """Load the policy (or the last checkpoint), and bring the broker to the same point."""
@@ -243,7 +166,7 @@ class DecoupledTrainer:
         if world.broadcast(publish):
             self.publish(self.step)
         if world.leader:
-            self.publisher.wait()
+            self.io.wait()
         self.past = None  # recent versions' weights, to audit stale groups exactly
         if self.cfg.quarantine.exact_stale and self.cfg.broker.max_staleness:
             self.past = PastVersions(self.cfg.broker.max_staleness)
@@ -257,7 +180,7 @@ class DecoupledTrainer:
         if self.world.sharded:
             self.gathered = full_state(self.model, self.world)
         if self.world.leader:
-            self.publisher.submit(self.model, version, self.gathered)
+            self.io.publish(*publishable(self.model, version, self.gathered), version)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy, on rank 0 alone: the policy itself, or (FSDP2, where a forward
@@ -279,19 +202,16 @@ class DecoupledTrainer:
         cfg, step = self.cfg, self.step
         groups, wait = None, {}
         if self.world.leader:
-            if self.next_batch is not None:
-                t0 = time.perf_counter()
-                groups, wait = self.next_batch.result()
-                wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left
-                self.next_batch = None
-            else:
-                groups, wait = collect(self.client, cfg.train.batch_prompts, step, stop)
-            if groups is not None and cfg.broker.mode == "async" and step + 1 < cfg.train.steps:
+            if not self.prefetched:
+                self.io.prefetch(step, cfg.train.batch_prompts)
+            t0 = time.perf_counter()
+            groups, wait = self.io.batch(step, stop)
+            wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left
+            self.prefetched = cfg.broker.mode == "async" and step + 1 < cfg.train.steps
+            if groups is not None and self.prefetched:
                 # Step s+1 takes staleness <= max_staleness relative to s+1 whenever it is
                 # pulled; pulling it now hides the wait and the transfer behind this step.
-                self.next_batch = self.prefetcher.submit(
-                    collect, self.prefetch_client, cfg.train.batch_prompts, step + 1, stop
-                )
+                self.io.prefetch(step + 1, cfg.train.batch_prompts)
         return self.world.broadcast(groups), wait
 
     def train_step(self, stop: threading.Event) -> dict | None:
@@ -336,7 +256,7 @@ class DecoupledTrainer:
                     "had a non-finite loss or gradient and were skipped; the batch came from "
                     f"samplers {sorted({g.sampler or '?' for g in groups})}"
                 )
-            self.client.ack(ids, step)
+            self.io.ack(ids, step)
         self.publish(step + 1)
         if self.past is not None:
             self.past.record(self.model, step + 1)
@@ -344,7 +264,7 @@ class DecoupledTrainer:
         if not world.leader:
             return {}
         if cfg.broker.mode == "sync":  # the next batch needs these weights: nothing to overlap
-            self.publisher.wait()
+            self.io.wait()
         return {
             "step": self.step,
             "time": time.time(),
@@ -352,19 +272,24 @@ class DecoupledTrainer:
             **staleness_metrics(groups, step),
             **metrics,
             **wait,
-            "trainer/step_s": train_s,
+            "trainer/step_s": train_s,  # the update and the audit (trainer/audit_s)
+            "trainer/update_s": train_s - metrics.get("trainer/audit_s", 0.0),
             "trainer/ranks": world.size,
-            "perf/publish_s": self.publisher.last_s,  # the last upload that finished
-            "perf/publish_bytes": self.publisher.last_bytes,  # as the samplers download it
+            "perf/publish_s": self.io.last_s,  # the last upload that finished
+            "perf/publish_bytes": self.io.last_bytes,  # as the samplers download it
             **self.swarm(),
         }
 
     def report(self, audits: list[GroupAudit], step: int) -> dict[str, float]:
         """Send the samplers' log-prob audit (every group of the batch) to the broker, which
-        quarantines a sampler far off (README: Trust); return the batch's figures."""
+        quarantines a sampler far off (README: Trust); return the batch's figures. The
+        broker's answer arrives while the next step trains: `audit/quarantined` counts the
+        samplers quarantined by the reports answered since the last step."""
         if not self.cfg.quarantine.enabled or not audits:
             return {}
-        quarantined = self.client.audit(AuditReport(step=step, groups=audits))
+        self.io.audit(AuditReport(step=step, groups=audits))
+        self.io.poll()
+        quarantined, self.io.quarantined = self.io.quarantined, {}
         for sid, why in quarantined.items():
             self.console.print(f"[yellow]sampler {sid} quarantined: {why}")
         tokens = max(1, sum(a.tokens for a in audits))
@@ -378,14 +303,15 @@ class DecoupledTrainer:
     def swarm(self, every: int = 10) -> dict[str, float]:
         """Samplers alive and their speed, asked of the broker every `every` steps (a status
         call costs the broker a scan of its tables; between asks the last answer stands)."""
-        if self.step % every == 1 or not self.last_swarm:
-            self.last_swarm = swarm_metrics(self.client)
-        return self.last_swarm
+        if self.step % every == 1 or not self.io.swarm:
+            self.io.ask_swarm()  # answered while the next step trains
+        self.io.poll()
+        return self.io.swarm
 
     def checkpoint(self) -> None:
         """Every rank calls it (FSDP2 gathers to rank 0, which writes)."""
         if self.world.leader:  # v_step is at the broker before checkpoint `step` exists:
-            self.publisher.wait()  # a resume relies on it
+            self.io.wait()  # a resume relies on it (and on the acks before it, in order)
         save_checkpoint(
             self.out / "checkpoints",
             self.step,
@@ -413,9 +339,7 @@ class DecoupledTrainer:
         self.checkpoint()
         if not leader:
             return self.out
-        self.publisher.close()
-        self.prefetcher.shutdown()  # a prefetch in flight sees `stop` (or its pull answers)
-        self.prefetch_client.close()
+        self.io.close()  # the last upload lands; a prefetch in flight is dropped
         self.scorer.close()
         self.log.close()
         if self.step == cfg.steps:

@@ -9,6 +9,7 @@ and the decoupled trainer; it knows nothing of where the groups came from.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -203,24 +204,35 @@ def update_policy(
     informative = [g for g, k in zip(groups, keep) if k]
     flat = [g for g, k in zip(groups, keep) if not k]
     device = next(model.parameters()).device
+    audit_s = 0.0  # the audit's own time: its passes over flat groups and stale versions
+
+    def timed_audit(groups, batch, logp):
+        nonlocal audit_s
+        t0 = time.perf_counter()
+        if logp is None:
+            logp = world_logprobs(model, batch, cfg.sampling.temperature or 1.0, world)
+        audit(groups, batch, logp)
+        audit_s += time.perf_counter() - t0
+
     if audit is not None and flat:  # not trained on, but audited all the same
         with torch.no_grad():
-            flat_batch = groups_to_batch(flat, pad_id, cfg, device)
-            logp = world_logprobs(model, flat_batch, cfg.sampling.temperature or 1.0, world)
-            audit(flat, flat_batch, logp)
+            timed_audit(flat, groups_to_batch(flat, pad_id, cfg, device), None)
     if not informative:
-        return {"optim/skipped": 1.0}
-    batch = groups_to_batch(informative, pad_id, cfg, device)
-    metrics = train_on_batch(
-        model,
-        optimizer,
-        scheduler,
-        batch,
-        cfg,
-        ref_model,
-        seed=derive_seed(cfg.train.seed, "shuffle", step),
-        audit=None if audit is None else lambda logp: audit(informative, batch, logp),
-        world=world,
-        wrapped=wrapped,
-    )
-    return metrics | {"optim/skipped": 0.0}
+        metrics = {"optim/skipped": 1.0}
+    else:
+        batch = groups_to_batch(informative, pad_id, cfg, device)
+        metrics = train_on_batch(
+            model,
+            optimizer,
+            scheduler,
+            batch,
+            cfg,
+            ref_model,
+            seed=derive_seed(cfg.train.seed, "shuffle", step),
+            audit=None if audit is None else lambda logp: timed_audit(informative, batch, logp),
+            world=world,
+            wrapped=wrapped,
+        ) | {"optim/skipped": 0.0}
+    if audit is not None:
+        metrics["trainer/audit_s"] = audit_s
+    return metrics
