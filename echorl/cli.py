@@ -440,9 +440,10 @@ def trainer(
     except BrokerError as e:
         console.print(f"[red]broker {url}:[/red] {e}")
         raise typer.Exit(1) from None
-    console.print(
-        f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
-    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 alone wrote them
+        console.print(
+            f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
+        )
 
 
 def _cpu_set(text: str | None) -> set[int] | None:
