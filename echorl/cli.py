@@ -473,8 +473,59 @@ def run(
     raise typer.Exit(_run_swarm(cfg, resume))
 
 
-def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
+launch_app = typer.Typer(no_args_is_help=True, help="The swarm on a cluster manager (Ray).")
+app.add_typer(launch_app, name="launch")
+
+
+@launch_app.command("ray")
+def launch_ray_cmd(
+    config: Path = typer.Argument(None, help="run config, TOML or YAML (as for echorl run)"),
+    address: str = typer.Option(
+        None, help="the Ray cluster: auto, or HOST:PORT (default: start a local Ray)"
+    ),
+    out: str = typer.Option(None, help="output folder (train.out_dir; shared across nodes)"),
+    resume: bool = typer.Option(False, help="resume the trainer from its last checkpoint"),
+    config_option: Path = typer.Option(None, "--config", "-c", help="run config (or CONFIG)"),
+    override: list[str] = OVERRIDE,
+) -> None:
+    """Broker, trainer and samplers as Ray actors, each with its launch.ray.ROLE resources;
+    logs streamed here; Ray restarts a sampler that dies."""
+    if config and config_option:
+        console.print("[red]-c:[/red] give the config once, as CONFIG or as -c FILE")
+        raise typer.Exit(2)
+    cfg = _config(config or config_option, override, **{"train.out_dir": out})
+    raise typer.Exit(_run_swarm(cfg, resume, ray_address=address or "", on_ray=True))
+
+
+@launch_app.command("scale")
+def launch_scale(
+    samplers: int = typer.Option(..., min=0, help="samplers wanted from now on"),
+    address: str = typer.Option("auto", help="the Ray cluster the launcher runs on"),
+) -> None:
+    """Change a running `echorl launch ray`'s sampler count."""
+    try:
+        from echorl.launch.ray import scale
+    except ImportError:
+        console.print("[red]ray is not installed:[/red] pip install ray")
+        raise typer.Exit(2) from None
+    try:
+        console.print(f"the launcher now keeps {scale(samplers, address)} samplers")
+    except ValueError as e:  # no launcher actor on that cluster
+        console.print(f"[red]no running echorl launch ray found at {address}:[/red] {e}")
+        raise typer.Exit(1) from None
+
+
+def _run_swarm(
+    cfg: RunConfig, resume: bool = False, ray_address: str = "", on_ray: bool = False
+) -> int:
     from echorl.launch.local import launch, summarise
+
+    if on_ray:
+        try:
+            from echorl.launch.ray import launch_ray
+        except ImportError:
+            console.print("[red]ray is not installed:[/red] pip install ray")
+            return 2
 
     _quiet_transformers()
     out = Path(cfg.train.out_dir)
@@ -497,7 +548,10 @@ def _run_swarm(cfg: RunConfig, resume: bool = False) -> int:
         f"{cfg.broker.mode} RL: {cfg.launch.samplers} sampler(s) + 1 trainer, "
         f"{cfg.train.steps} steps of {cfg.train.batch_prompts}x{cfg.train.group_size}"
     )
-    code, folder = launch(cfg, model_dir, console, resume)
+    if on_ray:
+        code, folder = launch_ray(cfg, model_dir, console, ray_address or None, resume), out
+    else:
+        code, folder = launch(cfg, model_dir, console, resume)
     if (folder / "metrics.jsonl").is_file():
         summarise(folder, console)
     console.print(f"logs: {folder / 'logs'}   metrics: {folder / 'metrics.jsonl'}")

@@ -389,6 +389,26 @@ class SamplerConfig(_Section):
     )
 
 
+class RayRole(_Section):
+    """What one role's Ray actor asks of the cluster (`echorl launch ray`)."""
+
+    num_cpus: float = Field(1.0, ge=0.0, le=4096.0, description="CPUs Ray reserves for it")
+    num_gpus: float = Field(0.0, ge=0.0, le=64.0, description="GPUs Ray reserves for it")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom resources it needs, e.g. {edge = 1} places it only on nodes "
+        "started with `ray start --resources '{\"edge\": 4}'` (a kind of machine)",
+    )
+
+
+class RaySettings(_Section):
+    """`echorl launch ray`: each role an actor with its own resources."""
+
+    broker: RayRole = Field(default_factory=RayRole)
+    trainer: RayRole = Field(default_factory=RayRole)
+    sampler: RayRole = Field(default_factory=RayRole)
+
+
 class LaunchConfig(_Section):
     """`echorl run`: a broker, the samplers and the trainer as processes on this machine."""
 
@@ -416,6 +436,7 @@ class LaunchConfig(_Section):
     max_restarts: int = Field(
         10, ge=0, le=10_000, description="restarts of one role before the run is given up"
     )
+    ray: RaySettings = Field(default_factory=RaySettings)
     stall_timeout_s: float = Field(
         300.0,
         ge=5.0,

@@ -62,10 +62,7 @@ class Role:
 
     @property
     def command(self) -> list[str]:
-        if self.ranks is None:
-            return [sys.executable, "-m", "echorl.cli", *self.args]
-        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}"]
-        return [sys.executable, *torchrun, "-m", "echorl.cli", *self.args]
+        return echorl_command(self.args, self.ranks)
 
     @property
     def alive(self) -> bool:
@@ -144,6 +141,21 @@ def core_split(cfg: RunConfig) -> tuple[set[int], set[int]] | None:
     if len(cores) <= n:
         return None
     return set(cores[:n]), set(cores[n:])
+
+
+def echorl_command(args: tuple[str, ...], ranks: int | None = None) -> list[str]:
+    """`echorl ARGS` as this Python runs it; under torchrun with `ranks` ranks if given."""
+    if ranks is None:
+        return [sys.executable, "-m", "echorl.cli", *args]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return [sys.executable, *torchrun, "-m", "echorl.cli", *args]
+
+
+def trainer_ranks(cfg: RunConfig) -> int | None:
+    """The trainer's torchrun ranks: for more than one, and for FSDP2 (a world even of one
+    rank); None: a plain process."""
+    procs = cfg.launch.trainer_procs
+    return procs if procs > 1 or cfg.train.parallel == "fsdp2" else None
 
 
 def _cpu_list(cores: set[int]) -> str:
@@ -244,10 +256,7 @@ def launch(
             *(["--resume"] if resume else []),
             *(["--io-cpus", _cpu_list(other_cores)] if split else []),
             cpus=trainer_cores,
-            # torchrun for more than one rank, and for FSDP2 (a world even of one rank)
-            ranks=cfg.launch.trainer_procs
-            if cfg.launch.trainer_procs > 1 or cfg.train.parallel == "fsdp2"
-            else None,
+            ranks=trainer_ranks(cfg),
         )
         code = watch(swarm, cfg, console, stop)
     except KeyboardInterrupt:
