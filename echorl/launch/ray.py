@@ -164,25 +164,43 @@ class RaySwarm:
         path = resolved_config(cfg, self.out, model_dir, 0)
         self.config = path.read_text()
         self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.placing: dict[str, tuple] = {}  # actors asked for and not yet known to be placed
         self.seen: dict[str, int] = {}
         self.url = ""
         self.next_sampler = 0
 
     def start(self, name: str, argv: list[str], role: RayRole, restarts: int, block=True):
+        """Start role `name`'s actor; `block`: until Ray has placed it (a role the run
+        cannot go on without). A sampler is checked on later (`unplaced`)."""
         actor = RoleActor.options(**options(role, f"{self.out.name}-{name}", restarts)).remote(
             name, argv, self.env, self.config, str(self.out / "logs")
         )
         self.actors[name], self.seen[name] = actor, 0
-        placed = actor.where.remote()
-        if not ray.wait([placed], timeout=20)[0]:
-            asked = role.model_dump(exclude_defaults=True) or "1 CPU"
-            self.console.print(
-                f"[yellow]{name} is not placed yet: it asks for {asked}, the cluster has "
-                f"{ray.available_resources()} free (launch.ray.{name.split('-')[0]})"
-            )
-            if block and not ray.wait([placed], timeout=self.cfg.launch.stall_timeout_s)[0]:
-                raise RuntimeError(f"{name} found no node with the resources it asks for")
+        self.placing[name] = (actor.where.remote(), time.monotonic(), role)
+        if block:
+            placed = self.placing[name][0]
+            if not ray.wait([placed], timeout=20)[0]:
+                self.warn_unplaced(name, role)
+                if not ray.wait([placed], timeout=self.cfg.launch.stall_timeout_s)[0]:
+                    raise RuntimeError(f"{name} found no node with the resources it asks for")
+            del self.placing[name]
         return actor
+
+    def warn_unplaced(self, name: str, role: RayRole) -> None:
+        asked = role.model_dump(exclude_defaults=True) or "1 CPU"
+        self.console.print(
+            f"[yellow]{name} is not placed yet: it asks for {asked}, the cluster has "
+            f"{ray.available_resources()} free (launch.ray.{name.split('-')[0]})"
+        )
+
+    def unplaced(self, after_s: float = 20.0) -> None:
+        """Name once each sampler Ray has not placed `after_s` seconds after it was asked."""
+        for name, (placed, t0, role) in list(self.placing.items()):
+            if ray.wait([placed], timeout=0)[0]:
+                del self.placing[name]
+            elif time.monotonic() - t0 > after_s:
+                self.warn_unplaced(name, role)
+                del self.placing[name]
 
     def start_broker(self) -> None:
         port = _free_port()
@@ -220,6 +238,7 @@ class RaySwarm:
 
     def retire(self, name: str) -> None:
         actor = self.actors.pop(name)
+        self.placing.pop(name, None)
         self.show(name, actor)
         with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             ray.get(actor.stop.remote(), timeout=90)
@@ -250,9 +269,11 @@ def launch_ray(
 ) -> int:
     """Run the swarm on a Ray cluster until the trainer finishes; returns an exit code."""
     local = {}
-    if address is None:  # a Ray of our own on this machine: room for every role, as echorl run
+    if address is None:  # a Ray of our own on this machine: room for every role, as echorl
+        # run gives them, and for `scale` to add 16 samplers (CPUs here are Ray's bookkeeping)
         r = cfg.launch.ray
         asked = r.broker.num_cpus + r.trainer.num_cpus + cfg.launch.samplers * r.sampler.num_cpus
+        asked += 16 * r.sampler.num_cpus
         local = {"num_cpus": max(os.cpu_count() or 1, int(asked + 0.999))}
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **local)
     swarm = RaySwarm(cfg, model_dir, console)
@@ -302,6 +323,7 @@ def watch(swarm: RaySwarm, control, stop: list[str]) -> int:
                 time.sleep(1.0)
                 done = trainer.wait.remote()
         swarm.scale(ray.get(control.wanted.remote()))
+        swarm.unplaced()
     return 143
 
 
