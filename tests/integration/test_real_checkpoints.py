@@ -74,6 +74,9 @@ def test_a_char_level_qwen2_checkpoint_learns_async(tmp_path, texts):
     run_and_check(tmp_path, warm(tmp_path, model), margin=0.04)
 
 
+# slow (~100 s): keeps the default suite under 15 minutes; the BPE and the chat rendering
+# are covered fast by tests/unit (tokenizer round trips, chat templates) and the refusal test.
+@pytest.mark.slow
 def test_a_bpe_llama_checkpoint_learns_async_in_the_chat_format(tmp_path, texts):
     model = save_checkpoint(tmp_path / "llama", "llama", train_bpe_tokenizer(texts), chat=True)
     chat = "sampling.prompt_format=chat"
