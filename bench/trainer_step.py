@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -25,38 +24,12 @@ from rich.table import Table
 
 from echorl.config import load_config
 from echorl.models.tiny import build_tiny_model
-from echorl.protocol import Completion, ScoredGroup
+from echorl.testing import random_groups
 from echorl.trainer.distributed import SOLO, join_world, wrap
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 OUT = Path(__file__).resolve().parent / "results"
 console = Console(width=120)
-
-
-def scored_groups(step: int, b: int, g: int, new_tokens: int, vocab: int) -> list[ScoredGroup]:
-    rng = random.Random(step)
-    out = []
-    for k in range(b):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 16))]
-        completions = [
-            Completion(
-                token_ids=[rng.randrange(3, vocab) for _ in range(new_tokens)],
-                logprobs=[-rng.uniform(0.5, 4) for _ in range(new_tokens)],
-                finished=True,
-            )
-            for _ in range(g)
-        ]
-        rewards = [0.0, 1.0] + [float(rng.random() < 0.5) for _ in range(g - 2)]
-        out.append(
-            ScoredGroup(
-                job_id=step * b + k,
-                version=step,
-                prompt_ids=prompt,
-                completions=completions,
-                rewards=rewards,
-            )
-        )
-    return out
 
 
 def time_steps(model, world, wrapped, cfg, args) -> list[float]:
@@ -65,7 +38,8 @@ def time_steps(model, world, wrapped, cfg, args) -> list[float]:
     vocab = model.config.vocab_size
     times = []
     for step in range(args.warmup + args.steps):
-        groups = scored_groups(step, args.batch, args.group, args.new_tokens, vocab)
+        n = args.new_tokens
+        groups = random_groups(step, args.batch, args.group, vocab, completion=(n, n))
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()

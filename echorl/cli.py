@@ -430,6 +430,7 @@ def trainer(
     _quiet_transformers()
     _threads(cfg)
     from echorl.client import BrokerClient, BrokerError
+    from echorl.trainer.brokerio import NonFiniteWeights
     from echorl.trainer.decoupled import run_trainer
 
     stop = _stop_on_signals()
@@ -439,6 +440,11 @@ def trainer(
             folder = run_trainer(cfg, cfg.model.path, client, console, resume, stop, cpus)
     except BrokerError as e:
         console.print(f"[red]broker {url}:[/red] {e}")
+        raise typer.Exit(1) from None
+    except NonFiniteWeights as e:  # the policy diverged: stop, never serve it
+        console.print(
+            f"[red]the policy diverged:[/red] {e} (lower optim.lr, or --resume from a checkpoint)"
+        )
         raise typer.Exit(1) from None
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 alone wrote them
         console.print(

@@ -90,23 +90,25 @@ class BrokerClient:
         the broker is gone exits at once instead of backing off for a minute)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.url, self.token, self.timeout = url, token, timeout
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.cancel = cancel or threading.Event()
-        self._args = (
-            (url, token),
-            {
-                "timeout": timeout,
-                "retries": retries,
-                "backoff": backoff,
-                "max_backoff": max_backoff,
-                "cancel": cancel,
-            },
-        )
+
+    def settings(self) -> dict:
+        """What makes another client like this one, in this process or another (plain
+        values): the url, the token it carries now, its timeout and retries."""
+        return {
+            "url": self.url,
+            "token": self.token,
+            "timeout": self.timeout,
+            "retries": self.retries,
+            "backoff": self.backoff,
+            "max_backoff": self.max_backoff,
+        }
 
     def clone(self) -> BrokerClient:
         """A new client with the same settings and its own connections (one per thread)."""
-        args, kwargs = self._args
-        return BrokerClient(*args, **kwargs)
+        return BrokerClient(**self.settings(), cancel=self.cancel)
 
     def close(self) -> None:
         self.http.close()
@@ -160,8 +162,7 @@ class BrokerClient:
 
     def use_token(self, token: str) -> None:
         self.http.headers["Authorization"] = f"Bearer {token}"
-        (url, _), kwargs = self._args
-        self._args = (url, token), kwargs
+        self.token = token
 
     def revoke(self, sampler_id: str) -> int:
         """The admin's (trainer token): refuse this sampler from now on; returns how many of its

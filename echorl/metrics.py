@@ -2,19 +2,16 @@
 
 Keys are namespaced (`reward/mean`, `rollout/staleness_max`, `trainer/step_s`).
 TensorBoard event files go next to the JSONL (`tb/`) when the optional
-`tensorboard` package is installed (`pip install echorl[tb]`).
+`tensorboard` package is installed (`pip install echorl[tb]`). Writing needs
+neither torch nor matplotlib (the decoupled trainer logs from its I/O process).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 class MetricsLog:
@@ -30,32 +27,45 @@ class MetricsLog:
         if keep_through_step and path.is_file():
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= keep_through_step]
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self.tb = _summary_writer(path.parent / "tb") if tensorboard else None
+        self.file = path.open("a")
+        self.tb = _event_writer(path.parent / "tb") if tensorboard else None
 
     def write(self, record: dict) -> None:
         clean = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
         }
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
         if self.tb is not None:
-            for k, v in clean.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.tb.add_scalar(k, v, record.get("step", 0))
-            # No flush per step: the writer flushes on its own clock and on close().
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+
+            values = [
+                summary_pb2.Summary.Value(tag=k, simple_value=v)
+                for k, v in clean.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+            ]
+            # One event per step holding every scalar; the writer flushes on its own clock.
+            self.tb.add_event(
+                event_pb2.Event(
+                    wall_time=time.time(),
+                    step=record.get("step", 0),
+                    summary=summary_pb2.Summary(value=values),
+                )
+            )
 
     def close(self) -> None:
+        self.file.close()
         if self.tb is not None:
             self.tb.close()
 
 
-def _summary_writer(folder: Path):
+def _event_writer(folder: Path):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:  # the optional extra is not installed: JSONL only
         return None
-    return SummaryWriter(str(folder))
+    return EventFileWriter(str(folder))
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -95,9 +105,19 @@ def _moving_average(xs: list[float], window: int) -> list[float]:
     return out
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_reward_curve(records: list[dict], path: Path, title: str = "") -> Path:
     """Training reward per step (raw and smoothed), held-out greedy accuracy and, when
     logged, held-out sampled pass@1."""
+    plt = _pyplot()
     steps = [r["step"] for r in records if "reward/mean" in r]
     reward = [r["reward/mean"] for r in records if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
@@ -122,6 +142,7 @@ def plot_reward_curve(records: list[dict], path: Path, title: str = "") -> Path:
 
 def plot_run(records: list[dict], out: Path, title: str = "") -> list[Path]:
     """The decoupled run's report: reward vs step and vs wall-clock, staleness per step."""
+    plt = _pyplot()
     train = [r for r in records if "reward/mean" in r]
     paths = [plot_reward_curve(records, out / "reward_curve.png", title=f"{title}: reward")]
     if not train or "time" not in train[0]:
@@ -159,5 +180,5 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path

@@ -55,14 +55,23 @@ class PastVersions:
     def __init__(self, keep: int):
         self.keep = keep
         self.held: dict[int, dict[str, torch.Tensor]] = {}
+        self.scratch: dict[str, torch.Tensor] = {}  # the current weights while older are in
 
+    @torch.no_grad()
     def record(self, model, version: int) -> None:
-        """The trainable tensors of `model` as they are at `version`."""
-        self.held[version] = {
-            n: p.detach().clone() for n, p in resharded(model).named_parameters() if p.requires_grad
-        }
-        for v in [v for v in self.held if v < version - self.keep]:
+        """The trainable tensors of `model` as they are at `version` (copied into the
+        buffers of the version that falls out of the window: no allocation per step)."""
+        gone = sorted(v for v in self.held if v < version - self.keep)
+        spare = self.held.pop(gone[0]) if gone else None
+        for v in gone[1:]:
             del self.held[v]
+        params = {n: p for n, p in resharded(model).named_parameters() if p.requires_grad}
+        if spare is None:
+            self.held[version] = {n: p.detach().clone() for n, p in params.items()}
+        else:
+            for n, p in params.items():
+                spare[n].copy_(p)
+            self.held[version] = spare
 
     @torch.no_grad()
     def logprobs(
@@ -80,7 +89,11 @@ class PastVersions:
         if not rows:
             return logp
         params = dict(resharded(model).named_parameters())  # FSDP2: each rank's shards
-        now = {n: params[n].detach().clone() for n in self.held[latest]}
+        if not self.scratch:
+            self.scratch = {n: torch.empty_like(params[n]) for n in self.held[latest]}
+        now = self.scratch
+        for n, t in now.items():
+            t.copy_(params[n])
         out = logp.clone()
         try:
             for version, index in rows.items():

@@ -5,17 +5,20 @@ nothing but train.
     io.prefetch(step, n)                  # the helper pulls step's groups (a long poll)
     groups, wait = io.batch(step, stop)   # ... and hands them over when the trainer asks
     io.ack(ids, step); io.audit(report)   # fire and forget, in order
-    io.publish(state, meta, version)      # one copy into a shared buffer; hashed and uploaded there
+    io.publish(state, meta, version)      # one copy into a shared buffer; checked, hashed, uploaded there
     io.wait()                             # that version is stored at the broker
+    io.open_log(path, step); io.log(record, line)   # metrics.jsonl, TensorBoard, the console
     io.close()
 
 Threads in the training process (the old prefetch and upload threads) hold the GIL
 between the training thread's small operations: in async mode the step grew by 10-16% on
 the same core. The helper is a separate process on the I/O cores (`--io-cpus`): it pulls,
 parses, acks, reports audits, asks for the swarm's status, and hashes and uploads weight
-versions. The trainer writes each version once into a buffer both processes map (a file
-in /dev/shm, or in the run's folder when /dev/shm is too small, unlinked as soon as both
-hold it, so no crash leaves it behind) and sends the helper a few bytes saying so.
+versions (refusing one with a NaN or inf: NonFiniteWeights at the trainer's next wait),
+and writes the trainer's metrics (JSONL, TensorBoard events, the step's console line). The
+trainer writes each version once into a buffer both processes map (a file in /dev/shm, or
+in the run's folder when /dev/shm is too small, unlinked as soon as both hold it, so no
+crash leaves it behind) and sends the helper a few bytes saying so.
 
 Ordering: acks, audits and uploads run in the order they were asked for, on one lane, so a
 version the trainer has waited for implies every earlier ack landed. A failed call comes
@@ -27,6 +30,7 @@ wait; a helper that dies is an error there too. The helper exits when the traine
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -41,7 +45,39 @@ from pathlib import Path
 
 from echorl import client as broker_client
 from echorl.client import BrokerClient
+from echorl.metrics import MetricsLog
 from echorl.protocol import AuditReport, ScoredGroup
+
+# A float is NaN or inf when every bit of its exponent is set.
+EXPONENT = {
+    "F64": ("<u8", 0x7FF0000000000000),
+    "F32": ("<u4", 0x7F800000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+}
+
+
+class NonFiniteWeights(RuntimeError):
+    """The policy holds a NaN or inf: it is never published."""
+
+
+def nonfinite_tensors(file: memoryview, chunk: int = 1 << 22) -> list[str]:
+    """The names of the float tensors of safetensors `file` that hold a NaN or an inf."""
+    import numpy as np
+
+    n = int.from_bytes(file[:8], "little")
+    header, base, broken = json.loads(bytes(file[8 : 8 + n])), 8 + n, []
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] not in EXPONENT:
+            continue
+        dtype, exponent = EXPONENT[info["dtype"]]
+        start, end = info["data_offsets"]
+        bits = np.frombuffer(file, dtype, (end - start) // np.dtype(dtype).itemsize, base + start)
+        if any(
+            ((bits[i : i + chunk] & exponent) == exponent).any() for i in range(0, len(bits), chunk)
+        ):
+            broken.append(name)
+    return broken
 
 
 def collect(
@@ -85,11 +121,9 @@ class BrokerIO:
         ctx = mp.get_context("spawn")  # a fork would copy the trainer's threads and torch state
         self.stopping = ctx.Event()
         self.conn, theirs = ctx.Pipe()
-        (url, token), settings = client._args
-        settings = {k: v for k, v in settings.items() if k != "cancel"}
         self.proc = ctx.Process(
             target=serve,
-            args=(theirs, url, token, settings, cpus, self.stopping),
+            args=(theirs, client.settings(), cpus, self.stopping),
             name="echorl-trainer-io",
             daemon=True,
         )
@@ -135,6 +169,14 @@ class BrokerIO:
         write_safetensors(state, meta, memoryview(self.buffer))
         self.conn.send(("publish", version, size))
         self.publishing = version
+
+    def open_log(self, path: Path, keep_through_step: int = 0) -> None:
+        """The run's metrics go to `path` (and TensorBoard), from the helper: MetricsLog."""
+        self.conn.send(("log_open", path, keep_through_step))
+
+    def log(self, record: dict, line: str | None = None) -> None:
+        """Append `record` to the metrics and print `line`, in the helper."""
+        self.conn.send(("log", record, line))
 
     def wait(self) -> None:
         """Until the last version asked for is stored at the broker (its errors raise here)."""
@@ -214,13 +256,15 @@ class BrokerIO:
         elif kind == "error":
             name, status, reason = rest
             self.publishing = None
+            if name == "NonFiniteWeights":
+                raise NonFiniteWeights(reason)
             error = getattr(broker_client, name, None)
             if isinstance(error, type) and issubclass(error, broker_client.BrokerError):
                 raise error(status, reason)
             raise RuntimeError(reason)
 
 
-def serve(conn, url: str, token: str | None, settings: dict, cpus, stopping) -> None:
+def serve(conn, settings: dict, cpus, stopping) -> None:
     """The helper process: pulls on one thread, everything else in order on another."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when it stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -238,6 +282,8 @@ def serve(conn, url: str, token: str | None, settings: dict, cpus, stopping) -> 
             work(*args)
         except broker_client.BrokerError as e:
             reply("error", type(e).__name__, e.status, e.reason)
+        except NonFiniteWeights as e:
+            reply("error", "NonFiniteWeights", None, str(e))
         except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
             reply("error", "RuntimeError", None, f"{type(e).__name__}: {e}")
 
@@ -253,6 +299,12 @@ def serve(conn, url: str, token: str | None, settings: dict, cpus, stopping) -> 
     def upload(client: BrokerClient, version: int, size: int) -> None:
         view = memoryview(buffer[-1])[:size]
         t0 = time.perf_counter()
+        broken = nonfinite_tensors(view)  # no sampler ever generates from a broken policy
+        if broken:
+            raise NonFiniteWeights(
+                f"version {version} has non-finite values in {len(broken)} tensors (e.g. "
+                f"{broken[0]}): not published"
+            )
         digest = hashlib.sha256(view).hexdigest()
         chunk = broker_client.CHUNK
 
@@ -276,7 +328,7 @@ def serve(conn, url: str, token: str | None, settings: dict, cpus, stopping) -> 
 
     def run(work: queue.Queue, handlers: dict[str, Callable]) -> None:
         """One thread's commands, in order, on its own connections."""
-        client = BrokerClient(url, token, **settings, cancel=stopping)
+        client = BrokerClient(**settings, cancel=stopping)
         for cmd, *args in iter(work.get, None):
             guarded(handlers[cmd], client, *args)
         client.close()
@@ -289,14 +341,33 @@ def serve(conn, url: str, token: str | None, settings: dict, cpus, stopping) -> 
     ]
     for t in threads:
         t.start()
+    log: list[MetricsLog] = []
+
+    def open_log(path: Path, keep_through_step: int) -> None:
+        log[:] = [MetricsLog(path, keep_through_step, tensorboard=True)]
+
+    def write_log(record: dict, line: str | None) -> None:
+        log[0].write(record)
+        if line:
+            print(line, flush=True)
+
+    def exit_now() -> None:
+        if log:  # every line is flushed as written; this ends the TensorBoard file
+            log[0].close()
+        os._exit(0)
+
     while True:
         try:
             cmd, *args = conn.recv()
         except (EOFError, OSError):  # the trainer is gone: nothing left to do it for
-            os._exit(0)
+            exit_now()
         if cmd == "close":
             break
-        if cmd == "pull":
+        if cmd == "log":  # in order with the commands around it, never behind a pull
+            guarded(write_log, *args)
+        elif cmd == "log_open":
+            guarded(open_log, *args)
+        elif cmd == "pull":
             pulls.put((cmd, *args))
         elif cmd == "buffer":
             guarded(open_buffer, *args)
@@ -305,4 +376,4 @@ def serve(conn, url: str, token: str | None, settings: dict, cpus, stopping) -> 
     lane.put(None)
     pulls.put(None)
     threads[0].join()  # an upload in flight finishes; a pull in flight is dropped
-    os._exit(0)
+    exit_now()

@@ -177,6 +177,7 @@ def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult
                 save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
     after = held_out(backend, task, cfg, scorer)
     log.write({"step": cfg.train.steps, **after.record()})
+    log.close()
     save_checkpoint(out / "checkpoints", cfg.train.steps, model, tokenizer, opt, sched)
     policy = save_policy(model, tokenizer, out / "policy")
     plot = plot_reward_curve(

@@ -18,7 +18,10 @@ it are forgotten, so every group is trained into the final model exactly once.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
+import secrets
 import threading
 import time
 from collections import Counter
@@ -30,7 +33,7 @@ from transformers import PreTrainedModel
 
 from echorl.client import BrokerClient, BrokerRejected
 from echorl.config import RunConfig
-from echorl.metrics import MetricsLog, plot_run, read_metrics
+from echorl.metrics import plot_run, read_metrics
 from echorl.models.loading import load_policy
 from echorl.models.lora import (
     base_state,
@@ -48,33 +51,26 @@ from echorl.trainer.brokerio import BrokerIO
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.distributed import SOLO, World, full_state, join_world, local_device, wrap
-from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
-
-
-class NonFiniteWeights(RuntimeError):
-    """The policy holds a NaN or inf: it is never published."""
+from echorl.trainer.update import (
+    build_optimizer,
+    build_scheduler,
+    left_out,
+    update_policy,
+    world_logprobs,
+)
 
 
 def publishable(
     model: PreTrainedModel, version: int, gathered: dict[str, torch.Tensor] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What version `version` sends: the full weights on v0 (or `gathered`, the full weights
-    an FSDP2 world collected), after that the adapter alone for LoRA. Refuses
-    (NonFiniteWeights) weights with a NaN or inf anywhere: no sampler ever generates from a
-    broken policy."""
+    an FSDP2 world collected), after that the adapter alone for LoRA. (The I/O process
+    refuses weights with a NaN or inf anywhere: NonFiniteWeights.)"""
     if gathered is not None:
-        state, meta = gathered, {"format": "pt"}
-    elif version == 0:
-        state, meta = base_state(model), {"format": "pt"}
-    else:
-        state, meta = version_state(model, 0)
-    broken = [k for k, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
-    if broken:
-        raise NonFiniteWeights(
-            f"version {version} has non-finite values in {len(broken)} tensors (e.g. "
-            f"{broken[0]}): not published"
-        )
-    return state, meta
+        return gathered, {"format": "pt"}
+    if version == 0:
+        return base_state(model), {"format": "pt"}
+    return version_state(model, 0)
 
 
 def staleness_metrics(groups: list[ScoredGroup], step: int) -> dict:
@@ -144,9 +140,7 @@ class DecoupledTrainer:
             state = load_trainer_state(ckpt, self.model, self.opt, self.sched, world)
             self.step, self.consumed = state.step, list(state.extra["consumed"])
         if world.leader:
-            self.log = MetricsLog(
-                self.out / "metrics.jsonl", keep_through_step=self.step, tensorboard=True
-            )
+            self.io.open_log(self.out / "metrics.jsonl", keep_through_step=self.step)
             # Evaluation scores in a bounded worker: a verifier that hangs cannot hang the trainer.
             self.scorer = run_pool(self.cfg, RunTokenizer.from_hf(self.tokenizer))
         publish = not resume
@@ -167,12 +161,14 @@ class DecoupledTrainer:
             self.publish(self.step)
         if world.leader:
             self.io.wait()
+        # Which groups a partial audit checks: unknowable to the samplers, equal on every rank.
+        self.spot = random.Random(world.broadcast(secrets.randbits(64)))
         self.past = None  # recent versions' weights, to audit stale groups exactly
         if self.cfg.quarantine.exact_stale and self.cfg.broker.max_staleness:
             self.past = PastVersions(self.cfg.broker.max_staleness)
             self.past.record(self.model, self.step)
         if self.step == 0 and world.leader:
-            self.log.write({"step": 0, **self.evaluate()})
+            self.io.log({"step": 0, **self.evaluate()})
 
     def publish(self, version: int) -> None:
         """Send `version` (the weights as they are now) to the broker in the background.
@@ -223,14 +219,23 @@ class DecoupledTrainer:
             return None
         t0 = time.perf_counter()
         audits: list[GroupAudit] = []
-        tolerance = cfg.quarantine.tolerance
+        drawn = self.spot_check(groups, step)
+        temperature = cfg.sampling.temperature or 1.0
 
-        def audit(gs, batch, logp):
+        def audit(gs, batch, logp):  # logp None: flat groups, which no pass has covered
+            keep = [i for i, g in enumerate(gs) if g.job_id in drawn]
+            if not keep:
+                return
+            if len(keep) < len(gs):
+                first = [0, *itertools.accumulate(len(g.completions) for g in gs)]
+                rows = torch.cat([torch.arange(first[i], first[i + 1]) for i in keep])
+                gs, batch = [gs[i] for i in keep], batch.rows(rows.to(batch.input_ids.device))
+                logp = None if logp is None else logp[rows]
+            if logp is None:
+                logp = world_logprobs(self.model, batch, temperature, world)
             if self.past is not None:  # stale groups against their own version
-                logp = self.past.logprobs(
-                    self.model, gs, batch, logp, cfg.sampling.temperature or 1
-                )
-            audits.extend(audit_batch(gs, batch, logp, tolerance))
+                logp = self.past.logprobs(self.model, gs, batch, logp, temperature)
+            audits.extend(audit_batch(gs, batch, logp, cfg.quarantine.tolerance))
 
         metrics = update_policy(
             self.model,
@@ -280,6 +285,20 @@ class DecoupledTrainer:
             **self.swarm(),
         }
 
+    def spot_check(self, groups: list[ScoredGroup], step: int) -> set[int]:
+        """The job ids audited at `step`: every group the update's own pass covers, and each
+        group whose audit needs a pass of its own (flat, or stale under exact_stale) with
+        probability `quarantine.audit_fraction`, drawn with the run's secret seed (the same
+        on every rank)."""
+        share = self.cfg.quarantine.audit_fraction
+
+        def own_pass(g: ScoredGroup) -> bool:
+            return left_out(g, self.cfg) or (self.past is not None and g.version != step)
+
+        return {
+            g.job_id for g in groups if share >= 1 or not own_pass(g) or self.spot.random() < share
+        }
+
     def report(self, audits: list[GroupAudit], step: int) -> dict[str, float]:
         """Send the samplers' log-prob audit (every group of the batch) to the broker, which
         quarantines a sampler far off (README: Trust); return the batch's figures. The
@@ -294,6 +313,7 @@ class DecoupledTrainer:
             self.console.print(f"[yellow]sampler {sid} quarantined: {why}")
         tokens = max(1, sum(a.tokens for a in audits))
         return {
+            "audit/groups": float(len(audits)),  # below the batch's when audit_fraction < 1
             "audit/logprob_mean_abs": sum(a.abs_delta for a in audits) / tokens,
             "audit/logprob_kl": sum(a.kl for a in audits) / tokens,
             "audit/logprob_beyond": sum(a.beyond for a in audits) / tokens,
@@ -339,9 +359,8 @@ class DecoupledTrainer:
         self.checkpoint()
         if not leader:
             return self.out
-        self.io.close()  # the last upload lands; a prefetch in flight is dropped
+        self.io.close()  # the last upload and log line land; a prefetch in flight is dropped
         self.scorer.close()
-        self.log.close()
         if self.step == cfg.steps:
             save_policy(self.eval_model or self.model, self.tokenizer, self.out / "policy")
         plot_run(read_metrics(self.out / "metrics.jsonl"), self.out, f"{self.cfg.broker.mode}")
@@ -354,11 +373,11 @@ class DecoupledTrainer:
             record |= self.evaluate()
         if self.step == cfg.steps:
             record |= self.evaluate()
-        self.log.write(record)
-        self.console.print(
+        self.io.log(
+            record,
             f"step {self.step}/{cfg.steps}  reward {record['reward/mean']:.3f}  "
             f"staleness {record['rollout/staleness_mean']:.2f}  "
-            f"idle {record['trainer/idle_s']:.2f}s  train {record['trainer/step_s']:.2f}s"
+            f"idle {record['trainer/idle_s']:.2f}s  train {record['trainer/step_s']:.2f}s",
         )
 
 

@@ -180,6 +180,11 @@ def train_on_batch(
     return out
 
 
+def left_out(group: ScoredGroup, cfg: RunConfig) -> bool:
+    """A flat group (every reward equal: no advantage) under `train.drop_flat_groups`."""
+    return cfg.train.drop_flat_groups and len(set(group.rewards)) == 1
+
+
 def update_policy(
     model: PreTrainedModel,
     pad_id: int,
@@ -199,18 +204,16 @@ def update_policy(
     Flat groups (all rewards equal) are left out when `train.drop_flat_groups`; a step with
     nothing left makes no optimiser step and reports `optim/skipped = 1`. `audit(groups,
     batch, logp)` sees the groups trained on with this policy's log-probs of them before
-    the update (the decoupled trainer checks the samplers' with it)."""
-    keep = [not cfg.train.drop_flat_groups or len(set(g.rewards)) > 1 for g in groups]
-    informative = [g for g, k in zip(groups, keep) if k]
-    flat = [g for g, k in zip(groups, keep) if not k]
+    the update (the decoupled trainer checks the samplers' with it); for the flat groups,
+    which no pass covers, `logp` is None."""
+    informative = [g for g in groups if not left_out(g, cfg)]
+    flat = [g for g in groups if left_out(g, cfg)]
     device = next(model.parameters()).device
     audit_s = 0.0  # the audit's own time: its passes over flat groups and stale versions
 
     def timed_audit(groups, batch, logp):
         nonlocal audit_s
         t0 = time.perf_counter()
-        if logp is None:
-            logp = world_logprobs(model, batch, cfg.sampling.temperature or 1.0, world)
         audit(groups, batch, logp)
         audit_s += time.perf_counter() - t0
 

@@ -6,7 +6,6 @@ writes the final weights and the steps' metrics to OUT (test_distributed.py comp
 """
 
 import json
-import random
 import sys
 
 import torch
@@ -14,39 +13,11 @@ from safetensors.torch import save_file
 
 from echorl.config import load_config
 from echorl.models.tiny import build_tiny_model
-from echorl.protocol import Completion, ScoredGroup
+from echorl.testing import random_groups
 from echorl.trainer.distributed import full_state, join_world, wrap
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 STEPS, B, G = 3, 4, 4
-
-
-def groups(step: int) -> list[ScoredGroup]:
-    rng = random.Random(step)
-    out = []
-    for k in range(B):
-        prompt = [rng.randrange(3, 60) for _ in range(rng.randint(3, 6))]
-        completions = []
-        for _ in range(G):
-            n = rng.randint(1, 8)
-            ids = [rng.randrange(3, 60) for _ in range(n)]
-            completions.append(
-                Completion(
-                    token_ids=ids, logprobs=[-rng.uniform(0.1, 3) for _ in ids], finished=True
-                )
-            )
-        rewards = [float(rng.random() < 0.5) for _ in range(G - 1)] + [1.0]
-        rewards[0] = 0.0  # never a flat group: every row trains
-        out.append(
-            ScoredGroup(
-                job_id=step * B + k,
-                version=step,
-                prompt_ids=prompt,
-                completions=completions,
-                rewards=rewards,
-            )
-        )
-    return out
 
 
 def main(out: str, overrides: list[str]) -> None:
@@ -64,7 +35,7 @@ def main(out: str, overrides: list[str]) -> None:
             tokenizer.pad_token_id,
             opt,
             sched,
-            groups(step),
+            random_groups(step, B, G, vocab=60, prompt=(3, 6)),
             cfg,
             step,
             world=world,

@@ -33,6 +33,8 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
         f"train.steps={STEPS}",
         f"train.batch_prompts={B}",
         "sampler.jobs_per_lease=4",  # both samplers get work every version
+        # async: flat and stale groups (which need a pass of their own) are audited by half
+        f"quarantine.audit_fraction={0.5 if mode == 'async' else 1.0}",
     )
     assert "run summary" in shown
     records = read_jsonl(out / "metrics.jsonl")
@@ -45,6 +47,11 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
             assert r["rollout/versions"] == [r["step"] - 1]
     if mode == "async":  # the bound is used, not just respected
         assert any(r["rollout/staleness_max"] > 0 for r in train)
+        audited = sum(r["audit/groups"] for r in train)  # the current version's, and a draw
+        assert 0.3 * STEPS * B < audited < 0.97 * STEPS * B, audited
+    else:
+        assert all(r["audit/groups"] == B for r in train)
+    assert not any(r["audit/quarantined"] for r in train)  # an honest swarm
     consumed = query(
         out / "broker", "SELECT job_id, version, consumed_step FROM rollouts WHERE state='consumed'"
     )

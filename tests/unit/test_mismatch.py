@@ -26,3 +26,38 @@ def test_mismatch_is_summed_per_sampler_over_its_tokens():
 
 def test_no_audit_no_figures():
     assert mismatch_by_sampler([group(1, "a")], []) == {}
+
+
+def test_stale_groups_are_scored_under_their_own_version_in_recycled_buffers(tiny):
+    import torch
+
+    from echorl.protocol import Completion
+    from echorl.trainer.audit import PastVersions
+    from echorl.trainer.batch import batch_from_groups, token_logprobs
+
+    model, tok = tiny
+    c = Completion(token_ids=[20, 21, 1], logprobs=[-0.5] * 3, finished=True)
+    groups = [
+        ScoredGroup(job_id=v, version=v, prompt_ids=[5, 6, 7], completions=[c, c], rewards=[1, 0])
+        for v in (0, 1, 2)
+    ]
+    batch = batch_from_groups(groups, torch.zeros(3, 2), tok.pad_token_id)
+    past, states, expected = PastVersions(keep=2), [], []
+    for v in range(4):  # versions 0..3, each a step away from the last
+        if v:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+        past.record(model, v)
+        states.append({k: t.clone() for k, t in model.state_dict().items()})
+        expected.append(token_logprobs(model, batch)[0])
+        if v == 1:
+            v0_buffers = {id(t) for t in past.held[0].values()}
+    assert sorted(past.held) == [1, 2, 3]  # v0 fell out of the window ...
+    assert {id(t) for t in past.held[3].values()} == v0_buffers  # ... and v3 lives in its buffers
+    groups[0] = groups[0].model_copy(update={"version": 3})  # v3 is the policy: its pass stands
+    logp = past.logprobs(model, groups, batch, expected[3], 1.0)
+    torch.testing.assert_close(logp[0:2], expected[3][0:2])
+    torch.testing.assert_close(logp[2:4], expected[1][2:4])  # exactly as that version scored it
+    torch.testing.assert_close(logp[4:6], expected[2][4:6])
+    assert all(torch.equal(states[3][k], t) for k, t in model.state_dict().items())  # put back
