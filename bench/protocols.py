@@ -10,7 +10,9 @@ on `add` with:
 - colocated-1t: the same on one thread: only the trainer's core (Echo's baseline: the
   training hardware doing both jobs);
 - sync:       broker + 1 sampler (1 thread) + trainer (1 thread), sequential pull;
-- async-1/2:  the same swarm, push-pull with max_staleness 1 and 2.
+- async-1/2:  the same swarm, push-pull with max_staleness 1 and 2;
+- async-2-spot: async-2 auditing a quarter of the groups that need a pass of their own;
+- async-2-trusted: async-2 auditing only what the update's own pass covers (free).
 
     python bench/protocols.py                          # 3 seeds x 4 configs x 60 steps
     python bench/protocols.py --seeds 0 --steps 20     # a quick look
@@ -54,6 +56,18 @@ CONFIGS = {
     "sync": ["broker.mode=sync"],
     "async-1": ["broker.mode=async", "broker.max_staleness=1"],
     "async-2": ["broker.mode=async", "broker.max_staleness=2"],
+    # the same, auditing a quarter of the groups that need a pass of their own (flat, stale)
+    "async-2-spot": [
+        "broker.mode=async",
+        "broker.max_staleness=2",
+        "quarantine.audit_fraction=0.25",
+    ],
+    # the same, auditing only what the update's pass covers: trusted samplers, as co-located
+    "async-2-trusted": [
+        "broker.mode=async",
+        "broker.max_staleness=2",
+        "quarantine.audit_fraction=0",
+    ],
 }
 
 
@@ -241,7 +255,8 @@ def main() -> None:
 def plot(results: dict[str, list[dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for (name, runs), color in zip(
-        results.items(), ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green")
+        results.items(),
+        ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"),
     ):
         for i, r in enumerate(runs):
             wall, reward = zip(*r["curve"])

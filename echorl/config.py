@@ -332,12 +332,13 @@ class QuarantineConfig(_Section):
     )
     audit_fraction: float = Field(
         1.0,
-        gt=0.0,
+        ge=0.0,
         le=1.0,
         description="share of the groups whose audit needs a forward pass of its own (flat "
         "groups, left out of the update; stale ones under exact_stale) audited each step, "
         "each drawn at random with a seed the samplers cannot know; groups the update's own "
-        "pass covers are always audited. Below 1 the audit costs the trainer that share",
+        "pass covers are always audited. Below 1 the audit costs the trainer that share; 0 "
+        "audits only what is free (a swarm of trusted samplers)",
     )
     tolerance: float = Field(
         2.0, gt=0.0, le=100.0, description="|trainer - sampler| log-prob counted as far off"

@@ -73,6 +73,10 @@ class PastVersions:
                 spare[n].copy_(p)
             self.held[version] = spare
 
+    def recomputes(self, group: ScoredGroup) -> bool:
+        """Whether `logprobs` scores this group's rows under its own, older version."""
+        return group.version != max(self.held, default=None) and group.version in self.held
+
     @torch.no_grad()
     def logprobs(
         self, model, groups: list[ScoredGroup], batch: Batch, logp: torch.Tensor, temperature: float
@@ -83,7 +87,7 @@ class PastVersions:
         rows: dict[int, list[int]] = {}
         start = 0
         for g in groups:
-            if g.version != latest and g.version in self.held:
+            if self.recomputes(g):
                 rows.setdefault(g.version, []).extend(range(start, start + len(g.completions)))
             start += len(g.completions)
         if not rows:

@@ -73,6 +73,13 @@ def publishable(
     return version_state(model, 0)
 
 
+def group_rows(groups: list[ScoredGroup], picked: list[bool]) -> torch.Tensor:
+    """The batch rows (each group's completions, in order) of the picked groups."""
+    first = [0, *itertools.accumulate(len(g.completions) for g in groups)]
+    rows = [r for i, p in enumerate(picked) if p for r in range(first[i], first[i + 1])]
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def staleness_metrics(groups: list[ScoredGroup], step: int) -> dict:
     stale = [step - g.version for g in groups]
     hist = Counter(stale)
@@ -220,22 +227,9 @@ class DecoupledTrainer:
         t0 = time.perf_counter()
         audits: list[GroupAudit] = []
         drawn = self.spot_check(groups, step)
-        temperature = cfg.sampling.temperature or 1.0
 
-        def audit(gs, batch, logp):  # logp None: flat groups, which no pass has covered
-            keep = [i for i, g in enumerate(gs) if g.job_id in drawn]
-            if not keep:
-                return
-            if len(keep) < len(gs):
-                first = [0, *itertools.accumulate(len(g.completions) for g in gs)]
-                rows = torch.cat([torch.arange(first[i], first[i + 1]) for i in keep])
-                gs, batch = [gs[i] for i in keep], batch.rows(rows.to(batch.input_ids.device))
-                logp = None if logp is None else logp[rows]
-            if logp is None:
-                logp = world_logprobs(self.model, batch, temperature, world)
-            if self.past is not None:  # stale groups against their own version
-                logp = self.past.logprobs(self.model, gs, batch, logp, temperature)
-            audits.extend(audit_batch(gs, batch, logp, cfg.quarantine.tolerance))
+        def audit(gs, batch, logp):
+            audits.extend(self.audit(gs, batch, logp, drawn))
 
         metrics = update_policy(
             self.model,
@@ -284,6 +278,32 @@ class DecoupledTrainer:
             "perf/publish_bytes": self.io.last_bytes,  # as the samplers download it
             **self.swarm(),
         }
+
+    def audit(
+        self, groups: list[ScoredGroup], batch, logp: torch.Tensor | None, drawn: set[int]
+    ) -> list[GroupAudit]:
+        """The audit of the `drawn` ones among `groups` (the rows of `batch`), from the
+        current policy's log-probs `logp` of them (None for flat groups: no pass covered
+        them) and, for a stale group, its own version's (`quarantine.exact_stale`)."""
+        temperature = self.cfg.sampling.temperature or 1.0
+        picked = [g.job_id in drawn for g in groups]
+        if not any(picked):
+            return []
+        if not all(picked):
+            rows = group_rows(groups, picked).to(batch.input_ids.device)
+            groups, batch = [g for g, p in zip(groups, picked) if p], batch.rows(rows)
+            logp = None if logp is None else logp[rows]
+        if logp is None:  # the current policy's pass over the rows no older version scores
+            logp = torch.zeros_like(batch.behaviour_logp)
+            now = group_rows(
+                groups, [self.past is None or not self.past.recomputes(g) for g in groups]
+            )
+            if len(now):
+                now = now.to(logp.device)
+                logp[now] = world_logprobs(self.model, batch.rows(now), temperature, self.world)
+        if self.past is not None:  # stale groups against their own version
+            logp = self.past.logprobs(self.model, groups, batch, logp, temperature)
+        return audit_batch(groups, batch, logp, self.cfg.quarantine.tolerance)
 
     def spot_check(self, groups: list[ScoredGroup], step: int) -> set[int]:
         """The job ids audited at `step`: every group the update's own pass covers, and each
