@@ -47,6 +47,7 @@ from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
 from echorl.trainer.audit import PastVersions, audit_batch
+from echorl.trainer.batch import Batch
 from echorl.trainer.brokerio import BrokerIO
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
@@ -280,7 +281,7 @@ class DecoupledTrainer:
         }
 
     def audit(
-        self, groups: list[ScoredGroup], batch, logp: torch.Tensor | None, drawn: set[int]
+        self, groups: list[ScoredGroup], batch: Batch, logp: torch.Tensor | None, drawn: set[int]
     ) -> list[GroupAudit]:
         """The audit of the `drawn` ones among `groups` (the rows of `batch`), from the
         current policy's log-probs `logp` of them (None for flat groups: no pass covered
@@ -320,7 +321,7 @@ class DecoupledTrainer:
         }
 
     def report(self, audits: list[GroupAudit], step: int) -> dict[str, float]:
-        """Send the samplers' log-prob audit (every group of the batch) to the broker, which
+        """Send the samplers' log-prob audit (the batch's audited groups) to the broker, which
         quarantines a sampler far off (README: Trust); return the batch's figures. The
         broker's answer arrives while the next step trains: `audit/quarantined` counts the
         samplers quarantined by the reports answered since the last step."""
