@@ -416,8 +416,8 @@ def trainer(
     ),
     io_cpus: str = typer.Option(
         None,
-        help="Linux: cores for the upload and prefetch threads, e.g. 1 or 2,3 (echorl run "
-        "keeps them off the training cores)",
+        help="Linux: cores for the trainer's I/O process (pulls, uploads, metrics), e.g. 1 "
+        "or 2,3 (echorl run keeps it off the training cores)",
     ),
     config: Path = CONFIG,
     override: list[str] = OVERRIDE,
@@ -431,7 +431,7 @@ def trainer(
     _threads(cfg)
     from echorl.client import BrokerClient, BrokerError
     from echorl.trainer.brokerio import NonFiniteWeights
-    from echorl.trainer.decoupled import run_trainer
+    from echorl.trainer.decoupled import NoSamplers, run_trainer
 
     stop = _stop_on_signals()
     url = broker_url or cfg.broker.address
@@ -440,6 +440,9 @@ def trainer(
             folder = run_trainer(cfg, cfg.model.path, client, console, resume, stop, cpus)
     except BrokerError as e:
         console.print(f"[red]broker {url}:[/red] {e}")
+        raise typer.Exit(1) from None
+    except NoSamplers as e:  # nobody left to generate: say so and stop, never wait forever
+        console.print(f"[red]the swarm is empty:[/red] {e}")
         raise typer.Exit(1) from None
     except NonFiniteWeights as e:  # the policy diverged: stop, never serve it
         console.print(

@@ -437,7 +437,7 @@ class LaunchConfig(_Section):
     pin_cores: bool = Field(
         True,
         description="Linux: the trainer's compute gets the first `trainer_threads` cores to "
-        "itself; broker, samplers and the trainer's upload thread share the rest (as on "
+        "itself; broker, samplers and the trainer's I/O process share the rest (as on "
         "separate machines). Off, or too few cores: the OS schedules everyone everywhere",
     )
     warm_up: bool = Field(

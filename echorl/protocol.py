@@ -500,6 +500,9 @@ class GroupAudit(_Wire):
     abs_delta: float = Field(ge=0.0, le=1e12)  # sum of |trainer - sampler|
     kl: float = Field(ge=-1e12, le=1e12)  # sum of (sampler - trainer)
     beyond: int = Field(ge=0, le=MAX_GROUP_SIZE * MAX_COMPLETION_TOKENS)  # |delta| > tolerance
+    # Scored under the very weights of the group's version (the trainer's current ones, or
+    # those it kept for that version): judged against 0, never against other samplers' groups.
+    exact: bool = False
 
 
 class AuditReport(_Wire):

@@ -792,11 +792,13 @@ class BrokerStore:
     ) -> list[tuple[str, str]]:
         """The trainer's check of the groups it trained on at `step`: its own log-probs of
         their tokens against the sampler's. Each group is measured against what honest
-        samplers show for the same version: a group of version `step` came from the very
-        weights the trainer holds (honest: ~0 apart, numerics only); an older one from
-        weights the trainer has since moved away from, by as much for every honest sampler
-        of that version, so its baseline is the median group of that version in this report
-        (three or more of them; fewer, and an older group is no evidence). Each sampler's
+        samplers show for the same version: a group of version `step`, or one the trainer
+        scored under that version's own weights (`exact`), against 0 (honest: numerics
+        only); an older one scored under weights the trainer has since moved to, by as much
+        for every honest sampler of that version, against the median inexact group of that
+        version in this report (three or more of them; fewer, and it is no evidence). An
+        exact group never counts towards a median: a report whose groups of one version come
+        mostly from liars must not make the honest ones look off. Each sampler's
         excess over the baselines accumulates (decayed by `policy.decay` per report it
         appears in), and a sampler over the policy's bounds is quarantined: it leases and
         pushes nothing more (403 with the reason), its leases and unconsumed groups go back
@@ -809,8 +811,11 @@ class BrokerStore:
                     "SELECT sampler_id, version FROM rollouts WHERE job_id = ?", (a.job_id,)
                 ).fetchone()
                 if row is not None and a.tokens > 0:
+                    sid, version = row
                     t = a.tokens
-                    rows.append((*row, t, a.abs_delta / t, a.kl / t, a.beyond / t))
+                    # An exact audit's version is "current": its baseline is 0.
+                    key = step if a.exact else version
+                    rows.append((sid, key, t, a.abs_delta / t, a.kl / t, a.beyond / t))
             baseline = {}
             for version in {r[1] for r in rows}:
                 same = [r[3:] for r in rows if r[1] == version]

@@ -143,9 +143,13 @@ class BrokerIO:
     def prefetch(self, step: int, n: int) -> None:
         self.conn.send(("pull", step, n))
 
-    def batch(self, step: int, stop: threading.Event) -> tuple[list[ScoredGroup] | None, dict]:
-        """Step `step`'s groups (prefetch them first); None if `stop` was set meanwhile."""
-        self._until(lambda: step in self.batches, stop)
+    def batch(
+        self, step: int, stop: threading.Event, timeout: float | None = None
+    ) -> tuple[list[ScoredGroup] | None, dict] | None:
+        """Step `step`'s groups (prefetch them first); None for the groups if `stop` was set
+        meanwhile; None outright if `timeout` seconds passed first (the pull goes on)."""
+        if not self._until(lambda: step in self.batches, stop, timeout):
+            return None
         return self.batches.pop(step)
 
     def ack(self, job_ids: list[int], step: int) -> None:
@@ -230,14 +234,24 @@ class BrokerIO:
                 f"the trainer's I/O process exited ({self.proc.exitcode})"
             ) from None
 
-    def _until(self, done: Callable[[], bool], stop: threading.Event | None = None) -> None:
+    def _until(
+        self,
+        done: Callable[[], bool],
+        stop: threading.Event | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Take in answers until `done()`; False if `timeout` seconds passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
         while not done():
+            if end is not None and time.monotonic() > end:
+                return False
             if stop is not None and stop.is_set():
                 self.stopping.set()  # the helper's pull gives up: its batch comes back None
             if self.conn.poll(0.2):
                 self._take(self._recv())
             elif not self.proc.is_alive():
                 raise IOProcessDied(f"the trainer's I/O process exited ({self.proc.exitcode})")
+        return True
 
     def _take(self, msg: tuple) -> None:
         kind, *rest = msg

@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from transformers import PreTrainedModel
 
-from echorl.client import BrokerClient, BrokerRejected
+from echorl.client import BrokerClient, BrokerError, BrokerRejected
 from echorl.config import RunConfig
 from echorl.metrics import plot_run, read_metrics
 from echorl.models.loading import load_policy
@@ -72,6 +72,13 @@ def publishable(
     if version == 0:
         return base_state(model), {"format": "pt"}
     return version_state(model, 0)
+
+
+WAIT_REPORT_S = 30.0  # a trainer waiting for groups says why this often
+
+
+class NoSamplers(RuntimeError):
+    """The trainer waited for groups with no sampler alive for `launch.stall_timeout_s`."""
 
 
 def group_rows(groups: list[ScoredGroup], picked: list[bool]) -> torch.Tensor:
@@ -115,6 +122,7 @@ class DecoupledTrainer:
         self.gathered: dict[str, torch.Tensor] | None = None  # FSDP2: the last full weights
         self.eval_model: PreTrainedModel | None = None
         self.prefetched = False  # async: the helper is already pulling this step's groups
+        self.lonely_since: float | None = None  # since when no sampler is alive (waiting)
         if world.leader:  # pulls, acks, audits and uploads: in a process of their own
             self.io = BrokerIO(client, io_cpus, spill=self.out)
 
@@ -209,7 +217,10 @@ class DecoupledTrainer:
             if not self.prefetched:
                 self.io.prefetch(step, cfg.train.batch_prompts)
             t0 = time.perf_counter()
-            groups, wait = self.io.batch(step, stop)
+            every = min(WAIT_REPORT_S, cfg.launch.stall_timeout_s / 2)
+            while (got := self.io.batch(step, stop, timeout=every)) is None:
+                self.waiting(step, time.perf_counter() - t0)
+            groups, wait = got
             wait["trainer/idle_s"] = time.perf_counter() - t0  # what the prefetch left
             self.prefetched = cfg.broker.mode == "async" and step + 1 < cfg.train.steps
             if groups is not None and self.prefetched:
@@ -217,6 +228,34 @@ class DecoupledTrainer:
                 # pulled; pulling it now hides the wait and the transfer behind this step.
                 self.io.prefetch(step + 1, cfg.train.batch_prompts)
         return self.world.broadcast(groups), wait
+
+    def waiting(self, step: int, waited: float) -> None:
+        """Say why step `step` has no groups after `waited` seconds; raise NoSamplers once no
+        sampler has been alive for `launch.stall_timeout_s` (they were all quarantined,
+        revoked or lost, and none joined)."""
+        try:
+            samplers = self.client.status().samplers
+        except BrokerError as e:  # the broker is away: the pull keeps trying, so do we
+            self.console.print(f"[yellow]step {step}: no groups for {waited:.0f} s; broker: {e}")
+            return
+        alive = [s for s in samplers if s.state == "alive"]
+        gone = Counter(s.state for s in samplers if s.state != "alive")
+        why = ", ".join(f"{n} {state}" for state, n in sorted(gone.items()))
+        self.console.print(
+            f"[yellow]step {step}: no groups for {waited:.0f} s; {len(alive)} samplers alive"
+            + (f" ({why})" if why else "")
+        )
+        if alive:
+            self.lonely_since = None
+            return
+        self.lonely_since = self.lonely_since or time.monotonic() - waited
+        if time.monotonic() - self.lonely_since >= self.cfg.launch.stall_timeout_s:
+            reasons = sorted({s.reason for s in samplers if s.reason})
+            raise NoSamplers(
+                f"no sampler alive for {time.monotonic() - self.lonely_since:.0f} s at step "
+                f"{step} (launch.stall_timeout_s): {why or 'none ever registered'}"
+                + (f"; quarantined because: {'; '.join(reasons)}" if reasons else "")
+            )
 
     def train_step(self, stop: threading.Event) -> dict | None:
         """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups.
@@ -302,9 +341,12 @@ class DecoupledTrainer:
             if len(now):
                 now = now.to(logp.device)
                 logp[now] = world_logprobs(self.model, batch.rows(now), temperature, self.world)
+        exact = [g.version == self.step for g in groups]  # the policy before this update
         if self.past is not None:  # stale groups against their own version
+            exact = [e or self.past.recomputes(g) for e, g in zip(exact, groups)]
             logp = self.past.logprobs(self.model, groups, batch, logp, temperature)
-        return audit_batch(groups, batch, logp, self.cfg.quarantine.tolerance)
+        audits = audit_batch(groups, batch, logp, self.cfg.quarantine.tolerance)
+        return [a.model_copy(update={"exact": e}) for a, e in zip(audits, exact)]
 
     def spot_check(self, groups: list[ScoredGroup], step: int) -> set[int]:
         """The job ids audited at `step`: every group the update's own pass covers, and each

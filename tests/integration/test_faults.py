@@ -155,3 +155,25 @@ def test_restart_the_broker_mid_run(tmp_path, model):
         stop_broker(broker)
     assert samplers[0].returncode == 0, outs  # it waited for the broker and carried on
     assert_each_step_consumed_once(data, 6)
+
+
+def test_a_trainer_left_with_no_sampler_says_why_and_stops(tmp_path, model):
+    """Its only sampler leaves after 2 steps: the trainer reports the swarm as it waits, and
+    once no sampler has been alive for launch.stall_timeout_s it exits 1 with the reason."""
+    timeouts = ("-o", "broker.sampler_timeout=3", "-o", "launch.stall_timeout_s=6")
+    broker, url = start_broker(tmp_path / "b", free_port(), *RUN, *timeouts)
+    sampler = start_sampler(url, model, "only", *RUN)
+    trainer = start_trainer(url, model, tmp_path / "t", "-o", "train.steps=50", *RUN, *timeouts)
+    try:
+        wait_until(lambda: steps_done(tmp_path / "t") >= 2, what="2 steps")
+        stop_all([sampler])  # SIGTERM: it says goodbye, its state is "left"
+        out = trainer.communicate(timeout=120)[0]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        stop_broker(broker)
+    said = " ".join(out.split())  # as printed, whatever the console's width
+    assert trainer.returncode == 1, out
+    assert "no groups for" in said and "0 samplers alive (1 left)" in said, out[-2000:]
+    assert "the swarm is empty: no sampler alive for" in said, out[-2000:]
+    assert steps_done(tmp_path / "t") < 50

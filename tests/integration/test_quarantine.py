@@ -57,10 +57,12 @@ def start(mode, url, model):
     )
 
 
-def run_swarm(tmp_path, model, steps):
+def run_swarm(tmp_path, model, steps, *trainer_args):
     broker, url = start_broker(tmp_path / "b", free_port(), *RUN)
     samplers = [start(mode, url, model) for mode in (*HONEST, *DISHONEST)]
-    trainer = start_trainer(url, model, tmp_path / "t", "-o", f"train.steps={steps}", *RUN)
+    trainer = start_trainer(
+        url, model, tmp_path / "t", "-o", f"train.steps={steps}", *RUN, *trainer_args
+    )
     try:
         out = trainer.communicate(timeout=1200)[0]
         assert trainer.returncode == 0, out
@@ -83,7 +85,7 @@ def run_swarm(tmp_path, model, steps):
     return states, logs, out + status, read_jsonl(tmp_path / "t" / "metrics.jsonl")
 
 
-def check(tmp_path, states, logs, out, records):
+def check(tmp_path, states, logs, out, records, within=WITHIN_STEPS):
     got = {m: states.get(m) for m in DISHONEST}
     assert got == dict.fromkeys(DISHONEST, "quarantined"), (states, out, logs)
     assert all(states[m] != "quarantined" for m in HONEST), (states, out)
@@ -102,7 +104,7 @@ def check(tmp_path, states, logs, out, records):
     assert len(quarantined_at) >= 1
     last_q = max(quarantined_at)
     for mode in DISHONEST:
-        assert named[mode] not in first or last_q - first[named[mode]] <= WITHIN_STEPS + 1, (
+        assert named[mode] not in first or last_q - first[named[mode]] <= within + 1, (
             mode,
             first,
             quarantined_at,
@@ -147,3 +149,15 @@ def test_200_steps_with_dishonest_samplers_still_learn(tmp_path, warm_add):
     train, evals = check(tmp_path, states, logs, out, records)
     assert sum(train[-20:]) / 20 >= sum(train[:20]) / 20 + 0.1, train
     assert evals[-1] >= evals[0] + 0.1, evals
+
+
+@pytest.mark.slow
+def test_a_spot_check_of_a_quarter_still_quarantines_every_dishonest_sampler(tmp_path, warm_add):
+    """quarantine.audit_fraction = 0.25: flat and stale groups are audited one in four, so
+    a dishonest sampler's audited tokens add up to min_tokens up to 4x later."""
+    states, logs, out, records = run_swarm(
+        tmp_path, warm_add, 100, "-o", "quarantine.audit_fraction=0.25"
+    )
+    audited = [r["audit/groups"] for r in records if "audit/groups" in r]
+    assert sum(audited) < 0.8 * 10 * len(audited), audited  # a spot check, not the batch
+    check(tmp_path, states, logs, out, records, within=4 * WITHIN_STEPS)
