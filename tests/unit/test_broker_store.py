@@ -521,34 +521,32 @@ def test_older_groups_are_judged_against_honest_peers_of_their_version(s):
     assert s.audit(report[:2], POLICY, step=3) == []
 
 
+def honest_among_liars(s, names, version):
+    """One honest sampler and three liars with the same lie, two groups each of `version`;
+    their audits, as if scored under newer weights."""
+    ids = [sampler(s, name) for name in names]
+    s.set_latest_version(version)
+    jobs = {sid: s.lease(sid, 2, 2, now=version, lease_seconds=100) for sid in ids}
+    for sid, leased in jobs.items():
+        for j in leased:
+            push(s, sid, group(s, j.job_id), [1.0, 0.0], now=version + 1)
+    honest = ids[0]
+    report = [
+        audit(j.job_id, 40, 0.01 if sid == honest else 0.8, 0.0 if sid == honest else -0.7)
+        for sid, leased in jobs.items()
+        for j in leased
+    ]
+    return ids, report
+
+
 def test_exact_audits_of_older_groups_are_judged_against_zero_not_a_liar_majority(s):
-    """Version 0 trained at step 3, scored under version 0's own weights: three liars with
-    the same lie are most of the version's groups, and their median must not become the
-    honest sampler's baseline (it would look off by the lie, and the liars clean)."""
-    ids = [sampler(s, name) for name in ("honest", "l1", "l2", "l3")]
-    s.set_latest_version(0)
-    jobs = {sid: s.lease(sid, 2, 2, now=0, lease_seconds=100) for sid in ids}
-    for sid, leased in jobs.items():
-        for j in leased:
-            push(s, sid, group(s, j.job_id), [1.0, 0.0], now=1)
-    report = [
-        audit(j.job_id, 40, 0.01 if sid == ids[0] else 0.8, 0.0 if sid == ids[0] else -0.7)
-        for sid, leased in jobs.items()
-        for j in leased
-    ]
-    inexact = s.audit(report, POLICY, step=3)
-    assert ids[0] in [sid for sid, _ in inexact]  # against the liars' median: the honest one
-    s2_ids = [sampler(s, name) for name in ("honest2", "m1", "m2", "m3")]
-    s.set_latest_version(1)
-    jobs = {sid: s.lease(sid, 2, 2, now=2, lease_seconds=100) for sid in s2_ids}
-    for sid, leased in jobs.items():
-        for j in leased:
-            push(s, sid, group(s, j.job_id), [1.0, 0.0], now=3)
-    report = [
-        audit(j.job_id, 40, 0.01 if sid == s2_ids[0] else 0.8, 0.0 if sid == s2_ids[0] else -0.7)
-        for sid, leased in jobs.items()
-        for j in leased
-    ]
+    """Three liars with the same lie are most of a version's groups: scored under newer
+    weights (inexact), their median is every group's baseline and the honest one looks off;
+    scored under the version's own weights (exact), each is judged against 0."""
+    ids, report = honest_among_liars(s, ("honest", "l1", "l2", "l3"), version=0)
+    inexact = s.audit(report, POLICY, step=3)  # the broker cannot tell: the majority wins
+    assert ids[0] in [sid for sid, _ in inexact]
+    ids, report = honest_among_liars(s, ("honest2", "m1", "m2", "m3"), version=1)
     exact = s.audit([a.model_copy(update={"exact": True}) for a in report], POLICY, step=4)
-    assert sorted(sid for sid, _ in exact) == sorted(s2_ids[1:])
+    assert sorted(sid for sid, _ in exact) == sorted(ids[1:])
     assert dict(s.db.execute("SELECT name, state FROM samplers"))["honest2"] == "alive"
