@@ -14,11 +14,20 @@ and quarantines one far beyond what honest samplers show.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from echorl.protocol import GroupAudit, ScoredGroup
 from echorl.trainer.batch import Batch, token_logprobs
 from echorl.trainer.distributed import resharded
+
+
+def group_rows(groups: list[ScoredGroup], picked: list[bool]) -> torch.Tensor:
+    """The batch rows (each group's completions, in order) of the picked groups."""
+    first = [0, *itertools.accumulate(len(g.completions) for g in groups)]
+    rows = [r for i, p in enumerate(picked) if p for r in range(first[i], first[i + 1])]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 @torch.no_grad()
@@ -84,13 +93,8 @@ class PastVersions:
         """`logp` (the current policy's) with each stale group's rows recomputed under its
         own version, where that version is held."""
         latest = max(self.held, default=None)
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for g in groups:
-            if self.recomputes(g):
-                rows.setdefault(g.version, []).extend(range(start, start + len(g.completions)))
-            start += len(g.completions)
-        if not rows:
+        versions = sorted({g.version for g in groups if self.recomputes(g)})
+        if not versions:
             return logp
         params = dict(resharded(model).named_parameters())  # FSDP2: each rank's shards
         if not self.scratch:
@@ -100,11 +104,11 @@ class PastVersions:
             t.copy_(params[n])
         out = logp.clone()
         try:
-            for version, index in rows.items():
+            for version in versions:
                 resharded(model)  # FSDP2: the next forward gathers the shards copied in here
                 for n, t in self.held[version].items():
                     params[n].copy_(t)
-                idx = torch.tensor(index)
+                idx = group_rows(groups, [g.version == version for g in groups])
                 out[idx] = token_logprobs(model, batch.rows(idx), temperature)[0]
         finally:
             resharded(model)

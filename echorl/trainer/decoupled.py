@@ -18,7 +18,6 @@ it are forgotten, so every group is trained into the final model exactly once.
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import secrets
@@ -46,7 +45,7 @@ from echorl.protocol import AuditReport, GroupAudit, ScoredGroup, TrainerHello
 from echorl.rollout.hf import HFBackend
 from echorl.rollout.verify import run_pool
 from echorl.tasks import get_task
-from echorl.trainer.audit import PastVersions, audit_batch
+from echorl.trainer.audit import PastVersions, audit_batch, group_rows
 from echorl.trainer.batch import Batch
 from echorl.trainer.brokerio import BrokerIO
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
@@ -79,13 +78,6 @@ WAIT_REPORT_S = 30.0  # a trainer waiting for groups says why this often
 
 class NoSamplers(RuntimeError):
     """The trainer waited for groups with no sampler alive for `launch.stall_timeout_s`."""
-
-
-def group_rows(groups: list[ScoredGroup], picked: list[bool]) -> torch.Tensor:
-    """The batch rows (each group's completions, in order) of the picked groups."""
-    first = [0, *itertools.accumulate(len(g.completions) for g in groups)]
-    rows = [r for i, p in enumerate(picked) if p for r in range(first[i], first[i + 1])]
-    return torch.tensor(rows, dtype=torch.long)
 
 
 def staleness_metrics(groups: list[ScoredGroup], step: int) -> dict:
@@ -266,7 +258,7 @@ class DecoupledTrainer:
             return None
         t0 = time.perf_counter()
         audits: list[GroupAudit] = []
-        drawn = self.spot_check(groups, step)
+        drawn = self.spot_check(groups)
 
         def audit(gs, batch, logp):
             audits.extend(self.audit(gs, batch, logp, drawn))
@@ -348,15 +340,15 @@ class DecoupledTrainer:
         audits = audit_batch(groups, batch, logp, self.cfg.quarantine.tolerance)
         return [a.model_copy(update={"exact": e}) for a, e in zip(audits, exact)]
 
-    def spot_check(self, groups: list[ScoredGroup], step: int) -> set[int]:
-        """The job ids audited at `step`: every group the update's own pass covers, and each
+    def spot_check(self, groups: list[ScoredGroup]) -> set[int]:
+        """The job ids audited this step: every group the update's own pass covers, and each
         group whose audit needs a pass of its own (flat, or stale under exact_stale) with
         probability `quarantine.audit_fraction`, drawn with the run's secret seed (the same
         on every rank)."""
         share = self.cfg.quarantine.audit_fraction
 
         def own_pass(g: ScoredGroup) -> bool:
-            return left_out(g, self.cfg) or (self.past is not None and g.version != step)
+            return left_out(g, self.cfg) or (self.past is not None and self.past.recomputes(g))
 
         return {
             g.job_id for g in groups if share >= 1 or not own_pass(g) or self.spot.random() < share
