@@ -404,6 +404,62 @@ def _sampler_backend(cfg: RunConfig):
 
 
 @app.command()
+def auditor(
+    broker_url: str = typer.Option(None, "--broker", help="broker URL (default: broker.url)"),
+    token: str = typer.Option(
+        None, envvar="ECHORL_TRAINER_TOKEN", help="the trainer's token (auditors are trusted)"
+    ),
+    model: Path = typer.Option(
+        None, help="local HF folder with the policy's architecture and tokenizer (model.path)"
+    ),
+    name: str = typer.Option(None, help="auditor name (default: auditor-PID)"),
+    device: str = typer.Option(None, help="cpu, cuda, mps (model.device)"),
+    threads: int = typer.Option(None, min=1, help="torch threads"),
+    metrics: Path = typer.Option(None, help="append per-lease metrics to this JSONL file"),
+    config: Path = CONFIG,
+    override: list[str] = OVERRIDE,
+) -> None:
+    """Run an auditor: check consumed groups' log-probs under their own version's weights,
+    so that the trainer need not (README: Trust)."""
+    import tempfile
+
+    cfg = _config(config, override, **{"model.path": model, "model.device": device})
+    _model_path(cfg)
+    _quiet_transformers()
+    import torch
+
+    from echorl.auditor import Auditor
+    from echorl.client import BrokerClient, BrokerRejected
+    from echorl.metrics import MetricsLog
+    from echorl.models import load_policy
+    from echorl.rollout.hf import HFBackend
+
+    if threads:
+        torch.set_num_threads(threads)
+    stop = _stop_on_signals()
+    name = name or f"auditor-{os.getpid()}"
+    url = broker_url or cfg.broker.address
+    policy, tokenizer = load_policy(cfg.model.path, cfg.model.device, torch.float32)
+    backend = HFBackend(policy, tokenizer, keep_adapters=cfg.broker.max_staleness + 1)
+    with (
+        BrokerClient(url, token, retries=10, cancel=stop) as client,
+        tempfile.TemporaryDirectory() as cache,
+    ):
+        log = MetricsLog(metrics) if metrics else None
+        worker = Auditor(client, backend, cfg, name, Path(cache), log)
+        console.print(f"{name}: auditing for {url}")
+        try:
+            worker.run(stop)
+        except BrokerRejected as e:
+            console.print(f"[red]{name}: the broker refused this auditor:[/red] {e.reason}")
+            raise typer.Exit(2) from None
+    console.print(
+        f"{name}: stopped after {worker.audited} groups "
+        f"({len(worker.quarantined)} samplers quarantined)"
+    )
+
+
+@app.command()
 def trainer(
     broker_url: str = typer.Option(None, "--broker", help="broker URL (default: broker.url)"),
     token: str = typer.Option(None, envvar="ECHORL_TRAINER_TOKEN", help="trainer token"),

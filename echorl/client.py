@@ -31,6 +31,8 @@ import httpx
 from echorl.protocol import (
     AckReply,
     AckRequest,
+    AuditLease,
+    AuditLeaseRequest,
     AuditReply,
     AuditReport,
     HeartbeatReply,
@@ -336,6 +338,14 @@ class BrokerClient:
         return self._post(
             "/v1/batches/ack", AckRequest(job_ids=job_ids, step=step), AckReply
         ).consumed
+
+    # -- auditor role (the trainer's token) -----------------------------------------------------
+
+    def lease_audits(self, auditor: str, n: int, wait_s: float = 0.0) -> AuditLease:
+        """Up to `n` consumed groups of one version that nobody has audited; with `wait_s`,
+        the broker holds the call until some are due."""
+        body = AuditLeaseRequest(auditor=auditor, n=n, wait_s=wait_s)
+        return self._post("/v1/audits/lease", body, AuditLease)
 
 
 def _reason(r: httpx.Response) -> str:

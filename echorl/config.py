@@ -424,6 +424,13 @@ class LaunchConfig(_Section):
 
     samplers: int = Field(1, ge=0, le=256, description="sampler processes to start")
     sampler_threads: int = Field(1, ge=1, le=256, description="torch threads per sampler")
+    auditors: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="auditor processes to start (`echorl auditor`): they audit the groups "
+        "whose check needs a forward pass of its own, in the trainer's place (README: Trust)",
+    )
     trainer_threads: int = Field(
         1, ge=1, le=256, description="torch threads of the trainer (of each of its ranks)"
     )

@@ -400,6 +400,8 @@ class StatusReply(_Wire):
         str, int
     ] = {}  # completions scored 0 by kind (timeout, crash, memory); refused groups
     verifier_busy: float = 0.0  # fraction of the verifier workers' time spent scoring
+    audits: dict[str, int] = {}  # consumed groups' audits by state (open, leased, done, missed)
+    auditors: int = 0  # auditors alive
 
 
 class HeartbeatRequest(_Wire):
@@ -484,6 +486,7 @@ class PullRequest(_Wire):
 class PullReply(_Wire):
     groups: list[ScoredGroup]  # with the broker's rewards, the only ones to train on
     dropped_stale: int
+    auditors: int = 0  # auditors alive: the trainer leaves the audits it would pay for to them
 
 
 class AckRequest(_Wire):
@@ -508,6 +511,24 @@ class GroupAudit(_Wire):
 class AuditReport(_Wire):
     step: Id
     groups: list[GroupAudit] = Field(max_length=65536)
+
+
+class AuditLeaseRequest(_Wire):
+    """auditor -> broker: consumed groups to audit, please (the trainer's token)."""
+
+    auditor: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    n: int = Field(ge=1, le=4096)
+    wait_s: float = Field(
+        0.0, ge=0.0, le=MAX_WAIT_S, description="long poll: wait this long for audits to open"
+    )
+
+
+class AuditLease(_Wire):
+    """Consumed groups of one version nobody has audited, leased to the auditor that asked."""
+
+    version: int | None  # the weights to audit them under (None: nothing to audit now)
+    groups: list[ScoredGroup]
+    latest_version: int
 
 
 class AuditReply(_Wire):

@@ -6,6 +6,7 @@
                GET /v1/weights/latest, /v1/versions/{v}, /v1/weights/{v} (download)
     trainer:   POST /v1/trainer/hello, /v1/batches/pull, /v1/batches/ack, /v1/trainer/rewind,
                PUT /v1/weights/{v} (publish), GET /v1/status, POST /v1/samplers/{id}/revoke
+    auditor:   POST /v1/audits/lease, /v1/trainer/audit; the weights (the trainer's token)
     anyone with a token: GET /v1/run;   no token: /healthz, /metrics
 
 Routes validate, authorise and delegate: state to `BrokerStore`, bytes to `WeightStore`,
@@ -33,6 +34,8 @@ from echorl.protocol import (
     MAX_ID,
     AckReply,
     AckRequest,
+    AuditLease,
+    AuditLeaseRequest,
     AuditReply,
     AuditReport,
     BadRequest,
@@ -261,19 +264,46 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
     groups = await st.groups_bell.poll(body.wait_s, attempt, st.writer.trainer)
     st.metrics.dropped.inc(n_dropped)
     # The groups as stored (validated when pushed): a PullReply, written without re-encoding.
-    reply = f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped}}}'
+    reply = (
+        f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped},'
+        f'"auditors":{st.auditors_alive()}}}'
+    )
     return Response(reply, media_type="application/json")
 
 
 @router.post("/v1/batches/ack", dependencies=[TRAINER])
 async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
-    return AckReply(consumed=await st.for_trainer(st.store.ack, body.job_ids, body.step))
+    consumed = await st.for_trainer(st.store.ack, body.job_ids, body.step)
+    if consumed:
+        st.audits_bell.ring()
+    return AckReply(consumed=consumed)
 
 
 @router.post("/v1/trainer/audit", dependencies=[TRAINER])
 def audit(body: AuditReport, st: BrokerState = State) -> AuditReply:
-    """The trainer's log-prob check of consumed groups; may quarantine their samplers."""
+    """The log-prob check of consumed groups, by the trainer or an auditor; may quarantine
+    their samplers."""
     return AuditReply(quarantined=st.audit(body.groups, body.step))
+
+
+@router.post("/v1/audits/lease", dependencies=[TRAINER], response_model=AuditLease)
+async def lease_audits(body: AuditLeaseRequest, st: BrokerState = State) -> Response:
+    """An auditor's long poll: consumed groups of one version, to check under its weights."""
+    st.auditors[body.auditor] = time.time()
+    version = None
+
+    def attempt():
+        nonlocal version
+        version, groups = st.lease_audits(body.n)
+        return groups
+
+    groups = await st.audits_bell.poll(body.wait_s, attempt, st.writer.samplers)
+    st.auditors[body.auditor] = time.time()
+    reply = (
+        f'{{"version":{"null" if version is None else version},"groups":[{",".join(groups)}],'
+        f'"latest_version":{st.store.latest_version()}}}'
+    )
+    return Response(reply, media_type="application/json")
 
 
 @router.post("/v1/trainer/rewind", dependencies=[TRAINER])
@@ -308,6 +338,7 @@ async def publish(
     st.store.set_latest_version(version)
     st.metrics.latest.set(version)
     st.jobs_bell.ring()  # a new version admits more jobs
+    st.audits_bell.ring()  # and makes an older one final
     st.weights.retain(version, st.store.referenced_versions())
     return st.weights.describe(version)
 
@@ -350,5 +381,6 @@ def status(st: BrokerState = State) -> StatusReply:
         samplers=[SamplerStatus(**row) for row in st.store.samplers()],
         verifier=dict(st.verifier.failures) | {"refused": st.verifier.refused},
         verifier_busy=st.verifier.utilisation(),
+        auditors=st.auditors_alive(),
         **st.store.counts(),
     )

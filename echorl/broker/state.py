@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -125,11 +125,30 @@ class BrokerState:
     metrics: Metrics
     jobs_bell: Bell  # samplers wait for admitted jobs (a new version, a returned lease)
     groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
+    audits_bell: Bell  # auditors wait for consumed groups to audit (an ack, a new version)
     verifier: VerifierPool  # the broker's own rewards, off the request path
     # Store calls of the hot routes run on one writer thread, batched into group commits;
     # the trainer's lane goes first (sampler traffic never queues in front of it).
     writer: Writer
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
+    auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
+
+    def auditors_alive(self) -> int:
+        """Auditors heard from within `broker.sampler_timeout`."""
+        since = time.time() - self.cfg.broker.sampler_timeout
+        return sum(seen >= since for seen in self.auditors.values())
+
+    def lease_audits(self, n: int) -> tuple[int | None, list[str]]:
+        """Consumed groups of one final version to audit (`BrokerStore.lease_audits`): final
+        once no step can consume its groups any more, i.e. older than the latest version
+        minus the staleness bound."""
+        b = self.cfg.broker
+        if not self.cfg.quarantine.enabled:  # reports would change nothing
+            return None, []
+        final_below = self.store.latest_version() - self.admission.max_staleness
+        return self.store.lease_audits(
+            n, time.time(), b.lease_seconds, final_below, set(self.weights.versions())
+        )
 
     async def write(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the samplers' lane of the writer; returns once committed."""
@@ -315,8 +334,13 @@ def build_state(cfg: RunConfig) -> BrokerState:
         task=task,
         codec=codec,
         store=store,
+        # An auditor audits a version once its groups can no longer be consumed: the newest
+        # such two stay on disk, whatever keep_versions says.
         weights=WeightStore(
-            data / "weights", b.sampler_dtype, b.keep_versions, b.max_weights_bytes
+            data / "weights",
+            b.sampler_dtype,
+            max(b.keep_versions, b.max_staleness + 3),
+            b.max_weights_bytes,
         ),
         auth=auth,
         # Sync is admission with max_staleness 0 and every job pinned to the latest version.
@@ -328,6 +352,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         metrics=metrics,
         jobs_bell=Bell(),
         groups_bell=Bell(),
+        audits_bell=Bell(),
         verifier=verifier,
         writer=Writer(store),
         push_slots=asyncio.Semaphore(b.push_slots),

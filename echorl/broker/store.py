@@ -14,6 +14,9 @@ Rollout lifecycle: scoring --verdict--> ready --pull--> pulled --ack(step)--> co
                                           +----------------+  trainer resumed (`rewind`)
                    ready --too stale at pull--> stale (dropped, counted)
                    scoring --refused by the verifier--> deleted, its job queued again
+Audit lifecycle (a consumed group's log-prob check):
+                   (trainer's report) --> done;   ack --> open --lease--> leased --report--> done
+                   open/leased, its version's weights gone before an auditor came --> missed
 
 A pushed group is stored as the sampler sent it, in state `scoring`: `body` is its JSON
 without rewards (so that a pull serves it as stored, never re-encoded), `claimed` the
@@ -81,6 +84,10 @@ CREATE TABLE IF NOT EXISTS rollouts (
     state TEXT NOT NULL CHECK (state IN ('scoring', 'ready', 'pulled', 'consumed', 'stale')),
     pull_deadline REAL, pull_request TEXT, consumed_step INTEGER);
 CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
+CREATE TABLE IF NOT EXISTS audits (
+    job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), lease_deadline REAL,
+    state TEXT NOT NULL CHECK (state IN ('open', 'leased', 'done', 'missed')));
+CREATE INDEX IF NOT EXISTS audits_by_state ON audits (state, job_id);
 """
 
 # A job tried again: an attempt counted, parked after `max_attempts` (the one parameter).
@@ -744,6 +751,9 @@ class BrokerStore:
                     "UPDATE rollouts SET state = 'consumed', consumed_step = ? WHERE job_id = ?",
                     (step, job_id),
                 )
+                # Open for an auditor, unless the trainer's report (sent before the ack)
+                # already audited it.
+                c.execute("INSERT OR IGNORE INTO audits VALUES (?, NULL, 'open')", (job_id,))
                 done += 1
             c.execute("UPDATE meta SET value = value + ? WHERE key = 'consumed'", (done,))
             return done
@@ -764,6 +774,7 @@ class BrokerStore:
                     "SELECT version, COUNT(*) FROM rollouts WHERE state = 'ready' GROUP BY version"
                 ).fetchall()
             ),
+            "audits": dict(q("SELECT state, COUNT(*) FROM audits GROUP BY state").fetchall()),
         }
 
     def samplers(self) -> list[dict]:
@@ -802,7 +813,9 @@ class BrokerStore:
         excess over the baselines accumulates (decayed by `policy.decay` per report it
         appears in), and a sampler over the policy's bounds is quarantined: it leases and
         pushes nothing more (403 with the reason), its leases and unconsumed groups go back
-        to the queue. Returns (sampler id, reason) of each sampler quarantined now."""
+        to the queue. A group counts once: one audited before (by the trainer or an
+        auditor, or in a report sent again) is skipped. Returns (sampler id, reason) of each
+        sampler quarantined now."""
 
         def fn(c):
             rows = []  # (sampler, version, tokens, abs/token, signed/token, beyond/token)
@@ -810,7 +823,14 @@ class BrokerStore:
                 row = c.execute(
                     "SELECT sampler_id, version FROM rollouts WHERE job_id = ?", (a.job_id,)
                 ).fetchone()
-                if row is not None and a.tokens > 0:
+                if row is None:
+                    continue
+                first = c.execute(
+                    "INSERT INTO audits VALUES (?, NULL, 'done') ON CONFLICT (job_id) "
+                    "DO UPDATE SET state = 'done', lease_deadline = NULL WHERE state != 'done'",
+                    (a.job_id,),
+                ).rowcount
+                if first and a.tokens > 0:
                     sid, version = row
                     t = a.tokens
                     # An exact audit's version is "current": its baseline is 0.
@@ -925,6 +945,7 @@ class BrokerStore:
                 (r[0],) for r in c.execute("SELECT job_id FROM rollouts WHERE version > ?", (step,))
             ]
             c.executemany("DELETE FROM rollouts WHERE job_id = ?", orphans)
+            c.executemany("DELETE FROM audits WHERE job_id = ?", orphans)
             c.executemany("UPDATE jobs SET state = 'queued' WHERE job_id = ?", orphans)
             leases = c.execute(
                 "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL, "
@@ -947,13 +968,57 @@ class BrokerStore:
         return counts
 
     def referenced_versions(self) -> set[int]:
-        """Versions that leased sync jobs still require (their weights must stay downloadable)."""
+        """Versions that leased sync jobs still require, and the versions of groups leased to
+        auditors (their weights must stay downloadable)."""
         return self._tx(
             lambda c: {
                 r[0]
                 for r in c.execute(
                     "SELECT DISTINCT required_version FROM jobs WHERE state = 'leased' "
-                    "AND required_version IS NOT NULL"
+                    "AND required_version IS NOT NULL UNION SELECT DISTINCT r.version "
+                    "FROM audits a JOIN rollouts r USING (job_id) WHERE a.state = 'leased'"
                 )
             }
         )
+
+    # -- auditors -----------------------------------------------------------------------------
+
+    def lease_audits(
+        self, n: int, now: float, lease_seconds: float, final_below: int, stored: set[int]
+    ) -> tuple[int | None, list[str]]:
+        """Up to `n` consumed groups nobody has audited yet, all of one version, leased to an
+        auditor until `now + lease_seconds`: the oldest version below `final_below` (versions
+        whose groups can no longer be consumed, so an auditor fetches each version's weights
+        once) with open audits, or leased ones whose lease ran out. A version whose weights
+        are no longer `stored` cannot be audited exactly: its open audits become `missed`.
+        Returns the version and the groups' JSON as served (None, [] when there is nothing)."""
+
+        def fn(c):
+            due = (
+                "FROM audits a JOIN rollouts r USING (job_id) WHERE r.version < ? AND "
+                "(a.state = 'open' OR (a.state = 'leased' AND a.lease_deadline < ?))"
+            )
+            while True:
+                row = c.execute(f"SELECT MIN(r.version) {due}", (final_below, now)).fetchone()
+                version = row[0]
+                if version is None:
+                    return None, []
+                if version in stored:
+                    break
+                c.execute(
+                    f"UPDATE audits SET state = 'missed', lease_deadline = NULL WHERE job_id IN "
+                    f"(SELECT a.job_id {due} AND r.version = ?)",
+                    (final_below, now, version),
+                )
+            rows = c.execute(
+                f"SELECT a.job_id, r.body, r.rewards, r.sampler_id {due} AND r.version = ? "
+                "ORDER BY a.job_id LIMIT ?",
+                (final_below, now, version, n),
+            ).fetchall()
+            c.executemany(
+                "UPDATE audits SET state = 'leased', lease_deadline = ? WHERE job_id = ?",
+                [(now + lease_seconds, r[0]) for r in rows],
+            )
+            return version, [served(*r[1:]) for r in rows]
+
+        return self._tx(fn)

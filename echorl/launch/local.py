@@ -90,6 +90,10 @@ class Swarm:
     def samplers(self) -> list[subprocess.Popen]:
         return [r.proc for n, r in self.roles.items() if n.startswith("sampler-") and r.proc]
 
+    @property
+    def auditors(self) -> list[subprocess.Popen]:
+        return [r.proc for n, r in self.roles.items() if n.startswith("auditor-") and r.proc]
+
     def spawn(
         self, name: str, *args: str, cpus: set[int] | None = None, ranks: int | None = None
     ) -> subprocess.Popen:
@@ -117,9 +121,9 @@ class Swarm:
         return role.proc
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the trainer (it checkpoints), then the samplers (they hand back their leases),
-        then the broker; SIGKILL whatever is still there after `timeout`."""
-        for group in ([self.trainer], self.samplers, [self.broker]):
+        """SIGTERM the trainer (it checkpoints), then the samplers (they hand back their leases)
+        and auditors, then the broker; SIGKILL whatever is still there after `timeout`."""
+        for group in ([self.trainer], self.samplers + self.auditors, [self.broker]):
             procs = [p for p in group if p is not None and p.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -249,6 +253,19 @@ def launch(
                 str(out / "samplers" / f"sampler-{k}.jsonl"),
                 cpus=other_cores,
             )
+        for k in range(cfg.launch.auditors):
+            swarm.spawn(
+                f"auditor-{k}",
+                "auditor",
+                *common,
+                "--name",
+                f"auditor-{k}",
+                "--threads",
+                "1",
+                "--metrics",
+                str(out / "auditors" / f"auditor-{k}.jsonl"),
+                cpus=other_cores,
+            )
         trainer_args = ("trainer", *common, "-o", f"model.threads={cfg.launch.trainer_threads}")
         swarm.spawn(
             "trainer",
@@ -299,7 +316,7 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
     return 0
 
 
-REFUSED = 2  # `echorl sampler`'s exit code when the broker refuses it (403, 401, 409 at start)
+REFUSED = 2  # `echorl sampler`'s (and auditor's) exit code when the broker refuses it (403, 401, 409 at start)
 
 
 def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int | None:
@@ -308,7 +325,7 @@ def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int
     now = time.monotonic()
     if not role.due:
         code = role.proc.returncode
-        if role.name.startswith("sampler-") and code == REFUSED:
+        if role.name.startswith(("sampler-", "auditor-")) and code == REFUSED:
             role.retired = True
             console.print(
                 f"[yellow]{role.name} was refused by the broker (revoked or quarantined; see "

@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, load_file
 
 from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
 from echorl.protocol import LeaseReply, SamplerInfo, WeightVersion
 from echorl.rollout.backend import Backend
+from echorl.rollout.follow import WeightFollower
 from echorl.rollout.generate import rollout
 from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
@@ -36,7 +36,6 @@ from echorl.tasks import get_task
 
 log = logging.getLogger("echorl.sampler")
 
-IN_MEMORY_BYTES = 256 << 20  # weights up to this size are fetched into memory, not to disk
 OUTAGE_ALARM_S = 60.0  # a broker answering 5xx (or nothing) this long is reported loudly
 
 
@@ -54,62 +53,18 @@ class Sampler:
         self.client, self.backend, self.cfg, self.name = client, backend, cfg, name
         self.scorer = scorer  # its own claims, scored in a bounded worker process
         self.cache, self.metrics = cache, metrics
-        self.held: tuple[int, str] | None = None  # (version, sha256) generating now
-        self.base: tuple[int, str] | None = None  # the full version under the adapters
-        self.adapters: dict[int, str] = {}  # resident adapter versions -> sha256
-        self.downloaded = 0  # bytes of weights fetched
+        self.weights = WeightFollower(client, backend, cache, name)  # the version generating
         self.pushed = self.rejected = 0
         self.idle_s = 0.0  # in leases, waiting for admitted jobs, since the last batch
         self.tokens_per_s: float | None = None  # of the last batch
-        cache.mkdir(parents=True, exist_ok=True)
 
     @property
     def version(self) -> int | None:
-        return None if self.held is None else self.held[0]
+        return self.weights.version
 
     def ensure_version(self, version: int, known: WeightVersion | None = None) -> float:
-        """Hold `version` (downloaded, verified, loaded in place) unless already held; returns
-        the seconds spent. Weights are known by sha256 too: a resumed trainer may re-publish
-        a version number with other weights. An adapter version (LoRA) is applied on its full
-        base version, which is loaded first if need be; adapters still resident cost nothing.
-        `known`: the broker's description of the latest version, which came with the lease."""
-        info = known if known is not None and known.version == version else None
-        info = info or self.client.describe(version)
-        if self.held == (version, info.sha256):
-            return 0.0
-        t0 = time.perf_counter()
-        if info.kind == "lora":
-            self._hold_base(self.client.describe(info.base))
-            if self.adapters.get(version) == info.sha256 and version in self.backend.adapters:
-                self.backend.use_adapter(version)
-            else:
-                self.backend.load_adapter(version, self._fetch(info), info.lora)
-                resident = set(self.backend.adapters)
-                self.adapters = {v: h for v, h in self.adapters.items() if v in resident}
-                self.adapters[version] = info.sha256
-        else:
-            self._hold_base(info)
-            self.backend.use_adapter(None)
-        self.held = (version, info.sha256)
-        log.info("%s: now holds version %d (%s)", self.name, version, info.kind)
-        return time.perf_counter() - t0
-
-    def _hold_base(self, info: WeightVersion) -> None:
-        """Full version `info` in the backend (its adapters go with the old one)."""
-        if self.base != (info.version, info.sha256):
-            self.backend.load_weights(self._fetch(info))
-            self.base, self.adapters = (info.version, info.sha256), {}
-
-    def _fetch(self, info: WeightVersion) -> dict[str, torch.Tensor]:
-        """The tensors of `info`, verified against its sha256 on the way."""
-        self.downloaded += info.size_bytes
-        if info.size_bytes <= IN_MEMORY_BYTES:
-            return load(self.client.fetch(info))
-        # large: stream to disk (resumable), then map it
-        path = self.client.download(info, self.cache / f"v{info.version}.safetensors")
-        weights = load_file(path)
-        path.unlink()
-        return weights
+        """Hold `version` (`WeightFollower.ensure`); returns the seconds spent."""
+        return self.weights.ensure(version, known)
 
     def work(self, sampler_id: str, reply: LeaseReply) -> None:
         """Generate the leased jobs as one batch with one version, and push each group."""
@@ -158,7 +113,7 @@ class Sampler:
                     "sampler/gen_s": gen_s,
                     "sampler/tokens_per_s": self.tokens_per_s,
                     "sampler/download_s": download_s,
-                    "sampler/download_bytes": self.downloaded,
+                    "sampler/download_bytes": self.weights.downloaded,
                     "sampler/idle_s": self.idle_s,
                     "sampler/rejected": self.rejected,
                 }

@@ -86,7 +86,7 @@ def collect(
     """Pull until `n` groups are in hand, sorted by job id (so the batch does not depend on
     arrival order); None if `stop` (an Event) was set first. Each pull is a long poll that
     the broker answers as soon as groups are pushed. Also returns the idle time and stale
-    drops."""
+    drops, and the auditors alive."""
     groups, dropped, t0 = [], 0, time.perf_counter()
     while len(groups) < n:
         if stop.is_set():
@@ -98,6 +98,7 @@ def collect(
     return groups, {
         "trainer/idle_s": time.perf_counter() - t0,
         "broker/groups_dropped_stale": dropped,
+        "broker/auditors": reply.auditors,  # alive at the last pull
     }
 
 

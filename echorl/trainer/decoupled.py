@@ -200,9 +200,9 @@ class DecoupledTrainer:
         backend = HFBackend(model, self.tokenizer)
         return held_out(backend, self.task, self.cfg, self.scorer).record()
 
-    def next_groups(self, stop: threading.Event) -> tuple[list[ScoredGroup] | None, dict]:
+    def next_groups(self, stop: threading.Event) -> tuple[list[ScoredGroup] | None, int, dict]:
         """Rank 0 pulls step `self.step`'s groups (prefetched in async mode) and every rank
-        gets them; None when stopped while waiting."""
+        gets them, and how many auditors the broker has; None when stopped while waiting."""
         cfg, step = self.cfg, self.step
         groups, wait = None, {}
         if self.world.leader:
@@ -219,7 +219,8 @@ class DecoupledTrainer:
                 # Step s+1 takes staleness <= max_staleness relative to s+1 whenever it is
                 # pulled; pulling it now hides the wait and the transfer behind this step.
                 self.io.prefetch(step + 1, cfg.train.batch_prompts)
-        return self.world.broadcast(groups), wait
+        groups, auditors = self.world.broadcast((groups, wait.get("broker/auditors", 0)))
+        return groups, auditors, wait
 
     def waiting(self, step: int, waited: float) -> None:
         """Say why step `step` has no groups after `waited` seconds; raise NoSamplers once no
@@ -253,12 +254,12 @@ class DecoupledTrainer:
         """Step `self.step`: pull, train, ack, publish. None if stopped while waiting for groups.
         Rank 0 returns the step's record, the other ranks an empty one."""
         cfg, step, world = self.cfg, self.step, self.world
-        groups, wait = self.next_groups(stop)
+        groups, auditors, wait = self.next_groups(stop)
         if groups is None:
             return None
         t0 = time.perf_counter()
         audits: list[GroupAudit] = []
-        drawn = self.spot_check(groups)
+        drawn = self.spot_check(groups, delegate=auditors > 0)
 
         def audit(gs, batch, logp):
             audits.extend(self.audit(gs, batch, logp, drawn))
@@ -340,12 +341,13 @@ class DecoupledTrainer:
         audits = audit_batch(groups, batch, logp, self.cfg.quarantine.tolerance)
         return [a.model_copy(update={"exact": e}) for a, e in zip(audits, exact)]
 
-    def spot_check(self, groups: list[ScoredGroup]) -> set[int]:
+    def spot_check(self, groups: list[ScoredGroup], delegate: bool = False) -> set[int]:
         """The job ids audited this step: every group the update's own pass covers, and each
         group whose audit needs a pass of its own (flat, or stale under exact_stale) with
         probability `quarantine.audit_fraction`, drawn with the run's secret seed (the same
-        on every rank)."""
-        share = self.cfg.quarantine.audit_fraction
+        on every rank). `delegate` (an auditor is alive): none of the latter, which stay
+        open at the broker for the auditors."""
+        share = 0.0 if delegate else self.cfg.quarantine.audit_fraction
 
         def own_pass(g: ScoredGroup) -> bool:
             return left_out(g, self.cfg) or (self.past is not None and self.past.recomputes(g))

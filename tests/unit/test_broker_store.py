@@ -518,7 +518,11 @@ def test_older_groups_are_judged_against_honest_peers_of_their_version(s):
     assert [sid for sid, _ in quarantined] == [ids[3]]
     assert dict(s.db.execute("SELECT name, state FROM samplers"))["a"] == "alive"
     # Fewer than three groups of an older version: no evidence either way.
-    assert s.audit(report[:2], POLICY, step=3) == []
+    more = s.lease(ids[0], 2, 2, now=2, lease_seconds=100)
+    for j in more:
+        push(s, ids[0], group(s, j.job_id), [1.0, 0.0], now=2)
+    assert s.audit([audit(j.job_id, 40, 1.5, 1.3) for j in more], POLICY, step=3) == []
+    assert dict(s.db.execute("SELECT name, state FROM samplers"))["a"] == "alive"
 
 
 def honest_among_liars(s, names, version):
@@ -550,3 +554,44 @@ def test_exact_audits_of_older_groups_are_judged_against_zero_not_a_liar_majorit
     exact = s.audit([a.model_copy(update={"exact": True}) for a in report], POLICY, step=4)
     assert sorted(sid for sid, _ in exact) == sorted(ids[1:])
     assert dict(s.db.execute("SELECT name, state FROM samplers"))["honest2"] == "alive"
+
+
+def audited_tokens(s):
+    return dict(s.db.execute("SELECT name, audit_total FROM samplers"))
+
+
+def test_auditors_lease_consumed_groups_the_trainer_left_one_final_version_at_a_time(s):
+    """Ack opens a consumed group for the auditors unless the trainer's report (sent before
+    the ack) audited it; a version is leased once its groups can no longer be consumed,
+    oldest first; a report counts each group once; a version whose weights are gone is
+    missed, never leased."""
+    fill(s, [0, 0, 1, 1, 2, 2])
+    trained, _ = s.pull(6, now=2, lease_seconds=10, min_version=0)
+    s.audit([audit(0, 10, 0.01)], POLICY, step=2)  # the trainer's own pass covered job 0
+    s.ack([g.job_id for g in trained], step=2)
+    assert s.counts()["audits"] == {"done": 1, "open": 5}
+    stored = {0, 1, 2}
+    # final_below = latest - max_staleness: version 2 may still be consumed, so it waits
+    v, groups = s.lease_audits(10, now=3, lease_seconds=10, final_below=2, stored=stored)
+    assert v == 0 and [json.loads(g)["job_id"] for g in groups] == [1]
+    assert json.loads(groups[0])["rewards"] == [1.0, 0.0]  # as served: the broker's rewards
+    v, groups = s.lease_audits(1, now=3, lease_seconds=10, final_below=2, stored=stored)
+    assert v == 1 and len(groups) == 1  # at most n
+    assert s.referenced_versions() == {0, 1}  # leased: their weights stay downloadable
+    v, groups = s.lease_audits(10, now=4, lease_seconds=10, final_below=2, stored=stored)
+    assert v == 1 and len(groups) == 1
+    assert s.lease_audits(10, now=5, lease_seconds=10, final_below=2, stored=stored) == (None, [])
+    # an auditor that died: its lease runs out and the groups are leased again
+    v, groups = s.lease_audits(10, now=14, lease_seconds=10, final_below=2, stored=stored)
+    assert v == 0 and [json.loads(g)["job_id"] for g in groups] == [1]
+    exact = [audit(1, 30, 0.02).model_copy(update={"exact": True})]
+    before = audited_tokens(s)["s1"]
+    s.audit(exact, POLICY, step=3)
+    s.audit(exact, POLICY, step=3)  # sent again (its answer was lost): counted once
+    assert audited_tokens(s)["s1"] == before + 30
+    assert s.counts()["audits"] == {"done": 2, "leased": 2, "open": 2}
+    # version 1's weights are gone before its expired leases are taken again: missed; and
+    # version 2 is final once version 2 + max_staleness + 1 is out
+    v, groups = s.lease_audits(10, now=30, lease_seconds=10, final_below=3, stored={2})
+    assert v == 2 and [json.loads(g)["job_id"] for g in groups] == [4, 5]
+    assert s.counts()["audits"] == {"done": 2, "leased": 2, "missed": 2}

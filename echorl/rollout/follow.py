@@ -1,0 +1,80 @@
+"""Follow the broker's weight versions in a backend: download, verify, load in place.
+
+A sampler holds the version its jobs need; an auditor the version whose groups it checks.
+Both ask for a version by number and get it loaded unless it is already held. Weights are
+known by sha256 too (a resumed trainer may re-publish a number with other weights). An
+adapter version (LoRA) is applied on its full base version, loaded first if need be;
+adapters still resident in the backend cost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, load_file
+
+from echorl.client import BrokerClient
+from echorl.protocol import WeightVersion
+from echorl.rollout.backend import Backend
+
+log = logging.getLogger("echorl.weights")
+
+IN_MEMORY_BYTES = 256 << 20  # weights up to this size are fetched into memory, not to disk
+
+
+class WeightFollower:
+    def __init__(self, client: BrokerClient, backend: Backend, cache: Path, name: str = ""):
+        self.client, self.backend, self.cache, self.name = client, backend, cache, name
+        self.held: tuple[int, str] | None = None  # (version, sha256) in use now
+        self.base: tuple[int, str] | None = None  # the full version under the adapters
+        self.adapters: dict[int, str] = {}  # resident adapter versions -> sha256
+        self.downloaded = 0  # bytes of weights fetched
+        cache.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def version(self) -> int | None:
+        return None if self.held is None else self.held[0]
+
+    def ensure(self, version: int, known: WeightVersion | None = None) -> float:
+        """Hold `version` unless already held; returns the seconds spent. `known`: the
+        broker's description of a version, if the caller has it (it came with a lease)."""
+        info = known if known is not None and known.version == version else None
+        info = info or self.client.describe(version)
+        if self.held == (version, info.sha256):
+            return 0.0
+        t0 = time.perf_counter()
+        if info.kind == "lora":
+            self._hold_base(self.client.describe(info.base))
+            if self.adapters.get(version) == info.sha256 and version in self.backend.adapters:
+                self.backend.use_adapter(version)
+            else:
+                self.backend.load_adapter(version, self._fetch(info), info.lora)
+                resident = set(self.backend.adapters)
+                self.adapters = {v: h for v, h in self.adapters.items() if v in resident}
+                self.adapters[version] = info.sha256
+        else:
+            self._hold_base(info)
+            self.backend.use_adapter(None)
+        self.held = (version, info.sha256)
+        log.info("%s: now holds version %d (%s)", self.name, version, info.kind)
+        return time.perf_counter() - t0
+
+    def _hold_base(self, info: WeightVersion) -> None:
+        """Full version `info` in the backend (its adapters go with the old one)."""
+        if self.base != (info.version, info.sha256):
+            self.backend.load_weights(self._fetch(info))
+            self.base, self.adapters = (info.version, info.sha256), {}
+
+    def _fetch(self, info: WeightVersion) -> dict[str, torch.Tensor]:
+        """The tensors of `info`, verified against its sha256 on the way."""
+        self.downloaded += info.size_bytes
+        if info.size_bytes <= IN_MEMORY_BYTES:
+            return load(self.client.fetch(info))
+        # large: stream to disk (resumable), then map it
+        path = self.client.download(info, self.cache / f"v{info.version}.safetensors")
+        weights = load_file(path)
+        path.unlink()
+        return weights
