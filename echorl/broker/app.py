@@ -37,7 +37,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        st.jobs_bell.loop = st.groups_bell.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        st.jobs_bell.loop = st.groups_bell.loop = st.audits_bell.loop = loop
         reaper = asyncio.create_task(expire_forever(st))
         yield
         reaper.cancel()
@@ -56,7 +57,8 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
 async def expire_forever(st: BrokerState) -> None:
     """Once a second: lost samplers' and expired leases go back to the queue, and pulled
-    groups whose trainer lease ran out are ready again (each wakes its long polls)."""
+    groups whose trainer lease ran out are ready again, and auditors' leases that ran out
+    can be taken again (each wakes its long polls)."""
     while True:
         await asyncio.sleep(1.0)
         b = st.cfg.broker
@@ -65,6 +67,7 @@ async def expire_forever(st: BrokerState) -> None:
         if returned:
             st.jobs_bell.ring()
         st.groups_bell.ring()
+        st.audits_bell.ring()
 
 
 PUSHES = ("/v1/rollouts", "/v1/rollouts/batch")

@@ -361,8 +361,10 @@ class DecoupledTrainer:
         quarantines a sampler far off (README: Trust); return the batch's figures. The
         broker's answer arrives while the next step trains: `audit/quarantined` counts the
         samplers quarantined by the reports answered since the last step."""
-        if not self.cfg.quarantine.enabled or not audits:
+        if not self.cfg.quarantine.enabled:
             return {}
+        if not audits:  # none on-policy, and the rest left to the auditors
+            return {"audit/groups": 0.0}
         self.io.audit(AuditReport(step=step, groups=audits))
         self.io.poll()
         quarantined, self.io.quarantined = self.io.quarantined, {}
