@@ -13,6 +13,8 @@ on `add` with:
 - async-1/2:  the same swarm, push-pull with max_staleness 1 and 2;
 - async-2-spot: async-2 auditing a quarter of the groups that need a pass of their own;
 - async-2-trusted: async-2 auditing only what the update's own pass covers (free).
+- async-2-auditor: async-2 with an `echorl auditor` (on the samplers' cores) auditing what
+  the update's pass does not cover: the trainer's audit is as free as async-2-trusted's.
 
     python bench/protocols.py                          # 3 seeds x 4 configs x 60 steps
     python bench/protocols.py --seeds 0 --steps 20     # a quick look
@@ -25,7 +27,8 @@ of async = steps/s / (1 / max(T_generate, T_train)) from the measured phase time
 steady state: from the end of the first step (the pipeline's fill, the samplers' first
 batch, is `fill_s`). T_update (the update alone, without the trainer's audit of the
 samplers) and T_train (with it) are set against colocated-1t's training phase, which
-runs on the same core as the decoupled trainer (core 0).
+runs on the same core as the decoupled trainer (core 0). A sampler's T_generate is its
+phase per batch: fetching and loading the version it needs (T_fetch) and generating.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ CONFIGS = {
         "broker.max_staleness=2",
         "quarantine.audit_fraction=0",
     ],
+    # the same, every group audited: the update's pass covers some, an auditor the rest
+    "async-2-auditor": ["broker.mode=async", "broker.max_staleness=2", "launch.auditors=1"],
 }
 
 
@@ -118,12 +123,17 @@ def measure(name: str, out: Path, target: float) -> dict:
         gen = [r["perf/gen_s"] for r in train]
         sampler_busy = sum(gen) / walls[-1]
         t_gen = statistics.mean(gen)
+        t_fetch = 0.0  # the policy is in hand
     else:
         walls = [r["trainer/wall_s"] for r in train]
         batches = read_metrics(out / "samplers" / "sampler-0.jsonl")
         span = batches[-1]["time"] - batches[0]["time"] + batches[0]["sampler/gen_s"]
-        sampler_busy = sum(b["sampler/gen_s"] for b in batches) / max(span, walls[-1])
-        t_gen = statistics.mean(b["sampler/gen_s"] for b in batches)  # one lease = one batch
+        busy = sum(b["sampler/gen_s"] + b.get("sampler/download_s", 0.0) for b in batches)
+        sampler_busy = busy / max(span, walls[-1])
+        # A sampler's phase per batch (one lease): fetch and load the version it needs, then
+        # generate. The fetch is the samplers' share of the weight sync, on their hardware.
+        t_fetch = statistics.mean(b.get("sampler/download_s", 0.0) for b in batches)
+        t_gen = statistics.mean(b["sampler/gen_s"] for b in batches) + t_fetch
     t_train = statistics.mean(r["trainer/step_s"] for r in train)
     # The update alone, without the decoupled trainer's audit of the samplers (its passes over
     # flat groups and stale versions): what compares with the co-located loop's training phase.
@@ -143,6 +153,7 @@ def measure(name: str, out: Path, target: float) -> dict:
         "trainer_util": sum(r["trainer/step_s"] for r in train) / walls[-1],
         "sampler_util": sampler_busy,
         "t_generate_s": t_gen,
+        "t_fetch_s": t_fetch,
         "t_train_s": t_train,
         "t_update_s": t_update,
         # Async's promise: a step costs only the slower phase. Meaningless for a serial loop.
@@ -192,7 +203,15 @@ def main() -> None:
             console.print(f"seed {seed} {name:9s} done in {time.time() - t0:.0f} s")
     table = Table(title=f"protocols: add, 1m model, {args.steps} steps x {len(args.seeds)} seeds")
     cols = ("final_reward", "eval_after", "s_per_step", "time_to_target_s", "trainer_util")
-    cols += ("sampler_util", "t_generate_s", "t_train_s", "t_update_s", "fill_s", "overlap_eff")
+    cols += (
+        "sampler_util",
+        "t_generate_s",
+        "t_fetch_s",
+        "t_train_s",
+        "t_update_s",
+        "fill_s",
+        "overlap_eff",
+    )
     table.add_column("config")
     for c in cols:
         table.add_column(c.replace("_", " "))

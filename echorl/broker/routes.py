@@ -339,7 +339,7 @@ async def publish(
     st.metrics.latest.set(version)
     st.jobs_bell.ring()  # a new version admits more jobs
     st.audits_bell.ring()  # and makes an older one final
-    st.weights.retain(version, st.store.referenced_versions())
+    st.retain_weights(version)
     return st.weights.describe(version)
 
 

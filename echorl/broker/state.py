@@ -138,6 +138,15 @@ class BrokerState:
         since = time.time() - self.cfg.broker.sampler_timeout
         return sum(seen >= since for seen in self.auditors.values())
 
+    def retain_weights(self, newest: int) -> None:
+        """Drop the weight versions nobody needs once `newest` is published. While an auditor
+        is alive, the newest two final versions stay too, whatever keep_versions says: an
+        auditor audits a version once its groups can no longer be consumed."""
+        keep = self.weights.keep
+        if self.auditors_alive():
+            keep = max(keep, self.admission.max_staleness + 3)
+        self.weights.retain(newest, self.store.referenced_versions(), keep)
+
     def lease_audits(self, n: int) -> tuple[int | None, list[str]]:
         """Consumed groups of one final version to audit (`BrokerStore.lease_audits`): final
         once no step can consume its groups any more, i.e. older than the latest version
@@ -334,13 +343,8 @@ def build_state(cfg: RunConfig) -> BrokerState:
         task=task,
         codec=codec,
         store=store,
-        # An auditor audits a version once its groups can no longer be consumed: the newest
-        # such two stay on disk, whatever keep_versions says.
         weights=WeightStore(
-            data / "weights",
-            b.sampler_dtype,
-            max(b.keep_versions, b.max_staleness + 3),
-            b.max_weights_bytes,
+            data / "weights", b.sampler_dtype, b.keep_versions, b.max_weights_bytes
         ),
         auth=auth,
         # Sync is admission with max_staleness 0 and every job pinned to the latest version.

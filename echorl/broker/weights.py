@@ -141,11 +141,12 @@ class WeightStore:
             raise BadRequest(f"a lora version's base v{base} is not a stored full version")
         return {"kind": "lora", "base": base, "lora": spec.model_dump()}
 
-    def retain(self, newest: int, referenced: set[int]) -> None:
-        """Delete versions older than the last `keep`, except those still referenced and the
-        bases of the adapters kept."""
+    def retain(self, newest: int, referenced: set[int], keep: int | None = None) -> None:
+        """Delete versions older than the last `keep` (default: the store's own), except those
+        still referenced and the bases of the adapters kept."""
+        keep = keep or self.keep
         versions = self.versions()
-        kept = {v for v in versions if v > newest - self.keep or v in referenced}
+        kept = {v for v in versions if v > newest - keep or v in referenced}
         kept |= {self.kind(v).get("base") for v in kept} - {None}
         for v in versions:
             if v not in kept:

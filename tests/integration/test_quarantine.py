@@ -57,9 +57,20 @@ def start(mode, url, model):
     )
 
 
-def run_swarm(tmp_path, model, steps, *trainer_args):
+def start_auditor(url, model, metrics):
+    env = os.environ | {"ECHORL_TRAINER_TOKEN": TRAINER}
+    cmd = [sys.executable, "-m", "echorl.cli", "auditor", "--broker", url, "--model", str(model)]
+    cmd += ["--name", "auditor-0", "--threads", "1", "--metrics", str(metrics), *RUN]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def run_swarm(tmp_path, model, steps, *trainer_args, auditor=False):
     broker, url = start_broker(tmp_path / "b", free_port(), *RUN)
     samplers = [start(mode, url, model) for mode in (*HONEST, *DISHONEST)]
+    if auditor:
+        samplers.append(start_auditor(url, model, tmp_path / "auditor.jsonl"))
     trainer = start_trainer(
         url, model, tmp_path / "t", "-o", f"train.steps={steps}", *RUN, *trainer_args
     )
@@ -77,15 +88,16 @@ def run_swarm(tmp_path, model, steps, *trainer_args):
         for s in samplers:
             if s.poll() is None:
                 s.terminate()
-        logs = {
-            mode: s.communicate(timeout=60)[0] for mode, s in zip((*HONEST, *DISHONEST), samplers)
-        }
+        names = (*HONEST, *DISHONEST, "auditor")
+        logs = {mode: s.communicate(timeout=60)[0] for mode, s in zip(names, samplers)}
         stop_broker(broker)
     states = dict(query(tmp_path / "b", "SELECT name, state FROM samplers"))
     return states, logs, out + status, read_jsonl(tmp_path / "t" / "metrics.jsonl")
 
 
-def check(tmp_path, states, logs, out, records, within=WITHIN_STEPS):
+def check(tmp_path, states, logs, out, records, within=WITHIN_STEPS, quarantined_at=None):
+    """The swarm's outcome; `quarantined_at`: the steps at which liars were quarantined
+    (default: those the trainer logged)."""
     got = {m: states.get(m) for m in DISHONEST}
     assert got == dict.fromkeys(DISHONEST, "quarantined"), (states, out, logs)
     assert all(states[m] != "quarantined" for m in HONEST), (states, out)
@@ -100,7 +112,8 @@ def check(tmp_path, states, logs, out, records, within=WITHIN_STEPS):
     ):
         first[sid] = step
     named = dict(query(tmp_path / "b", "SELECT name, id FROM samplers"))
-    quarantined_at = [r["step"] for r in records if r.get("audit/quarantined")]
+    if quarantined_at is None:
+        quarantined_at = [r["step"] for r in records if r.get("audit/quarantined")]
     assert len(quarantined_at) >= 1
     last_q = max(quarantined_at)
     for mode in DISHONEST:
@@ -141,6 +154,34 @@ def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, wa
     # Measured: train reward 0.58 -> 0.77, held-out 0.66 -> 0.94; quarantined at steps 27-28.
     assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, train
     assert evals[-1] >= evals[0] + 0.05, evals
+
+
+def test_an_auditor_takes_the_extra_passes_off_the_trainer_and_catches_every_liar(
+    tmp_path, warm_add
+):
+    """`echorl auditor` alive: the trainer audits only what its update's own pass covers
+    (on-policy groups); the auditor audits the rest (flat and stale groups) under their own
+    version's weights once no step can consume them, and every dishonest sampler is still
+    quarantined, at most the staleness bound + 2 steps later than by the trainer alone."""
+    states, logs, out, records = run_swarm(tmp_path, warm_add, 40, auditor=True)
+    train = [r for r in records if "reward/mean" in r]
+    assert all(r["broker/auditors"] == 1 for r in train[5:]), [r["broker/auditors"] for r in train]
+    # The trainer's share: a third of the batch (10 groups a step) or less; measured ~2.
+    audited = [r["audit/groups"] for r in train[5:]]
+    assert sum(audited) < 0.35 * 10 * len(audited), audited
+    by_auditor = read_jsonl(tmp_path / "auditor.jsonl")
+    assert sum(r["auditor/groups"] for r in by_auditor) >= 100, by_auditor
+    assert all(0 < r["auditor/lag"] <= 6 for r in by_auditor), by_auditor  # final versions
+    assert "auditor-0: stopped after" in logs["auditor"], logs["auditor"]
+    # The auditor's quarantines, at the step the trainer had reached (its latest version).
+    at = [r["version"] + r["auditor/lag"] for r in by_auditor if r["auditor/quarantined"]]
+    check(tmp_path, states, logs, out, records, within=WITHIN_STEPS + 3, quarantined_at=at)
+    # Every consumed group audited once, by one of them; only the last versions, which no
+    # later step made final, left open (or a version whose weights went before the auditor).
+    audits = dict(query(tmp_path / "b", "SELECT state, COUNT(*) FROM audits GROUP BY state"))
+    consumed = query(tmp_path / "b", "SELECT COUNT(*) FROM rollouts WHERE state = 'consumed'")
+    assert sum(audits.values()) == consumed[0][0], audits
+    assert audits["done"] >= 0.8 * consumed[0][0], audits
 
 
 @pytest.mark.slow
