@@ -689,9 +689,11 @@ def status(
         ("jobs", st.jobs),
         ("rollouts", st.rollouts),
         ("ready_by_version", st.ready_by_version),
+        ("audits", st.audits),
         ("verifier", st.verifier),
     ):
         console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
+    console.print(f"auditors alive: {st.auditors}")
     console.print(f"verifier busy: {st.verifier_busy:.0%}")
 
 

@@ -173,6 +173,7 @@ def test_an_auditor_takes_the_extra_passes_off_the_trainer_and_catches_every_lia
     assert sum(r["auditor/groups"] for r in by_auditor) >= 100, by_auditor
     assert all(0 < r["auditor/lag"] <= 6 for r in by_auditor), by_auditor  # final versions
     assert "auditor-0: stopped after" in logs["auditor"], logs["auditor"]
+    assert "auditors alive: 1" in out and "audits: " in out, out[-2000:]  # echorl status
     # The auditor's quarantines, at the step the trainer had reached (its latest version).
     at = [r["version"] + r["auditor/lag"] for r in by_auditor if r["auditor/quarantined"]]
     check(tmp_path, states, logs, out, records, within=WITHIN_STEPS + 3, quarantined_at=at)
