@@ -147,6 +147,18 @@ def core_split(cfg: RunConfig) -> tuple[set[int], set[int]] | None:
     return set(cores[:n]), set(cores[n:])
 
 
+def split_auditors(
+    others: set[int] | None, n: int
+) -> tuple[set[int] | None, list[set[int] | None]]:
+    """(the broker's, samplers' and uploads' cores, each of `n` auditors' cores): an auditor
+    gets a core of its own (the last ones) where the rest keep at least one, as a spare
+    machine would be; otherwise it shares theirs."""
+    if others is None or len(others) <= n:
+        return others, [others] * n
+    own = [{c} for c in sorted(others)[len(others) - n :]]
+    return others - set().union(*own), own
+
+
 def echorl_command(args: tuple[str, ...], ranks: int | None = None) -> list[str]:
     """`echorl ARGS` as this Python runs it; under torchrun with `ranks` ranks if given."""
     if ranks is None:
@@ -226,10 +238,13 @@ def launch(
     }
     split = core_split(cfg)
     trainer_cores, other_cores = split or (None, None)
+    n = cfg.launch.auditors
+    other_cores, auditor_cores = split_auditors(other_cores, n)
     if split:
         console.print(
             f"cores: trainer {_cpu_list(trainer_cores)}; broker, samplers, uploads "
             f"{_cpu_list(other_cores)}"
+            + (f"; auditors {_cpu_list(set().union(*auditor_cores))}" if n else "")
         )
         own = os.sched_getaffinity(0)
         os.sched_setaffinity(0, other_cores)  # the launcher's own watching, too
@@ -264,7 +279,7 @@ def launch(
                 "1",
                 "--metrics",
                 str(out / "auditors" / f"auditor-{k}.jsonl"),
-                cpus=other_cores,
+                cpus=auditor_cores[k],
             )
         trainer_args = ("trainer", *common, "-o", f"model.threads={cfg.launch.trainer_threads}")
         swarm.spawn(

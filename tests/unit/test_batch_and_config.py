@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from echorl.config import ConfigError, RunConfig, load_config
-from echorl.launch.local import core_split
+from echorl.launch.local import core_split, split_auditors
 from echorl.protocol import Completion, ScoredGroup, Turn
 from echorl.trainer.batch import Row, batch_from_groups, collate
 
@@ -106,3 +106,11 @@ def test_core_split_gives_the_trainer_its_own_cores_when_there_are_any_left():
     assert core_split(RunConfig.model_validate({"launch": {"pin_cores": False}})) is None
     every = RunConfig.model_validate({"launch": {"trainer_threads": len(cores)}})
     assert core_split(every) is None  # nothing left for the samplers: no pinning
+
+
+def test_an_auditor_gets_a_core_of_its_own_only_where_the_rest_keep_one():
+    assert split_auditors({1, 2, 3}, 1) == ({1, 2}, [{3}])
+    assert split_auditors({1, 2, 3}, 2) == ({1}, [{2}, {3}])
+    assert split_auditors({1}, 1) == ({1}, [{1}])  # 2 cores: the auditor shares core 1
+    assert split_auditors({1, 2}, 0) == ({1, 2}, [])
+    assert split_auditors(None, 2) == (None, [None, None])  # no pinning
