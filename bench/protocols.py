@@ -13,8 +13,9 @@ on `add` with:
 - async-1/2:  the same swarm, push-pull with max_staleness 1 and 2;
 - async-2-spot: async-2 auditing a quarter of the groups that need a pass of their own;
 - async-2-trusted: async-2 auditing only what the update's own pass covers (free).
-- async-2-auditor: async-2 with an `echorl auditor` (on the samplers' cores) auditing what
-  the update's pass does not cover: the trainer's audit is as free as async-2-trusted's.
+- async-2-auditor: async-2 with an `echorl auditor` (on a core of its own where there is
+  one; on 2 cores, the samplers') auditing what the update's pass does not cover: the
+  trainer's audit is as free as async-2-trusted's.
 
     python bench/protocols.py                          # 3 seeds x 4 configs x 60 steps
     python bench/protocols.py --seeds 0 --steps 20     # a quick look
@@ -128,12 +129,13 @@ def measure(name: str, out: Path, target: float) -> dict:
         walls = [r["trainer/wall_s"] for r in train]
         batches = read_metrics(out / "samplers" / "sampler-0.jsonl")
         span = batches[-1]["time"] - batches[0]["time"] + batches[0]["sampler/gen_s"]
-        busy = sum(b["sampler/gen_s"] + b.get("sampler/download_s", 0.0) for b in batches)
-        sampler_busy = busy / max(span, walls[-1])
         # A sampler's phase per batch (one lease): fetch and load the version it needs, then
         # generate. The fetch is the samplers' share of the weight sync, on their hardware.
-        t_fetch = statistics.mean(b.get("sampler/download_s", 0.0) for b in batches)
-        t_gen = statistics.mean(b["sampler/gen_s"] for b in batches) + t_fetch
+        gen = [b["sampler/gen_s"] for b in batches]
+        fetch = [b.get("sampler/download_s", 0.0) for b in batches]
+        sampler_busy = (sum(gen) + sum(fetch)) / max(span, walls[-1])
+        t_fetch = statistics.mean(fetch)
+        t_gen = statistics.mean(gen) + t_fetch
     t_train = statistics.mean(r["trainer/step_s"] for r in train)
     # The update alone, without the decoupled trainer's audit of the samplers (its passes over
     # flat groups and stale versions): what compares with the co-located loop's training phase.

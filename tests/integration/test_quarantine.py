@@ -162,7 +162,8 @@ def test_an_auditor_takes_the_extra_passes_off_the_trainer_and_catches_every_lia
     """`echorl auditor` alive: the trainer audits only what its update's own pass covers
     (on-policy groups); the auditor audits the rest (flat and stale groups) under their own
     version's weights once no step can consume them, and every dishonest sampler is still
-    quarantined, at most the staleness bound + 2 steps later than by the trainer alone."""
+    quarantined, at most 3 steps later than the trainer alone is allowed (the staleness
+    bound + 1 versions before a version is final, and the auditor's lease and pass)."""
     states, logs, out, records = run_swarm(tmp_path, warm_add, 40, auditor=True)
     train = [r for r in records if "reward/mean" in r]
     assert all(r["broker/auditors"] == 1 for r in train[5:]), [r["broker/auditors"] for r in train]
