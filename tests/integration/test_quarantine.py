@@ -5,10 +5,12 @@ quarantined within a few steps; the honest samplers, one of them generating in b
 beside the fp32 trainer (`sampler.dtype`), never are; each one's mismatch is logged per
 step and shown by `echorl status`; and the run still learns."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import mean
 
 import pytest
 
@@ -148,12 +150,30 @@ def check(tmp_path, states, logs, out, records, within=WITHIN_STEPS, quarantined
     return train, evals
 
 
+def honest_rewards(tmp_path):
+    """The honest samplers' rewards, pooled per trainer step that consumed them."""
+    by_step = {}
+    for step, rewards in query(
+        tmp_path / "b",
+        "SELECT r.consumed_step, r.rewards FROM rollouts r JOIN samplers s "
+        "ON s.id = r.sampler_id WHERE r.consumed_step IS NOT NULL AND s.name IN (?, ?)",
+        *HONEST,
+    ):
+        by_step.setdefault(step, []).extend(json.loads(rewards))
+    return [mean(by_step[s]) for s in sorted(by_step)]
+
+
 def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, warm_add):
     states, logs, out, records = run_swarm(tmp_path, warm_add, steps=40)
-    train, evals = check(tmp_path, states, logs, out, records)
-    # Measured: train reward 0.58 -> 0.77, held-out 0.66 -> 0.94; quarantined at steps 27-28.
-    assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, train
-    assert evals[-1] >= evals[0] + 0.05, evals
+    _, evals = check(tmp_path, states, logs, out, records)
+    # The run still learns. Held-out accuracy (greedy, the same 50 prompts) is the steady
+    # measure: 0.78 -> 0.92-0.94 in 4 runs. The batch reward is not: a fabricating sampler's
+    # right answers lift the steps it shares, and 40 samples a step are noisy, so a CI run
+    # once saw it rise only 0.72 -> 0.73. The honest samplers' groups alone rose 0.08-0.13
+    # (last 10 steps against the first 10) in the same 4 runs; they must not fall.
+    assert evals[-1] >= evals[0] + 0.08, evals
+    honest = honest_rewards(tmp_path)
+    assert mean(honest[-10:]) >= mean(honest[:10]), honest
 
 
 def test_an_auditor_takes_the_extra_passes_off_the_trainer_and_catches_every_liar(
