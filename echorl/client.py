@@ -155,12 +155,17 @@ class BrokerClient:
 
     # -- sampler role ---------------------------------------------------------------------------
 
-    def register(self, info: SamplerInfo) -> str:
+    def join(self, info: SamplerInfo) -> RegisterReply:
         """Join the swarm with the enrolment token; from then on this client (and its clones)
-        carries the sampler's own credential. Returns the sampler's id."""
+        carries the sampler's own credential. Returns the sampler's id and the broker's terms
+        (how often to beat, the largest push)."""
         reply = self._post("/v1/samplers", info, RegisterReply)
         self.use_token(reply.credential)
-        return reply.sampler_id
+        return reply
+
+    def register(self, info: SamplerInfo) -> str:
+        """`join`, for the sampler's id alone."""
+        return self.join(info).sampler_id
 
     def use_token(self, token: str) -> None:
         self.http.headers["Authorization"] = f"Bearer {token}"

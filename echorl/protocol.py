@@ -353,6 +353,15 @@ class RegisterReply(_Wire):
 
     sampler_id: str
     credential: str
+    heartbeat_s: float = Field(
+        20.0,
+        gt=0,
+        description="beat at least this often while generating (a third of the "
+        "broker's sampler_timeout), or be marked lost and lose the lease",
+    )
+    max_body_bytes: int = Field(
+        16 << 20, ge=1024, description="the largest push the broker reads (413 beyond)"
+    )
 
 
 class RevokeReply(_Wire):

@@ -112,7 +112,13 @@ def register(info: SamplerInfo, st: BrokerState = State) -> RegisterReply:
     sampler_id = st.store.register(info, time.time(), secret, st.cfg.broker.max_samplers)
     st.auth.admit(sampler_id, secret)
     log.info("sampler %s registered: %s (%s)", sampler_id, info.name, info.hardware)
-    return RegisterReply(sampler_id=sampler_id, credential=credential)
+    b = st.cfg.broker
+    return RegisterReply(
+        sampler_id=sampler_id,
+        credential=credential,
+        heartbeat_s=b.sampler_timeout / 3,
+        max_body_bytes=b.max_body_bytes,
+    )
 
 
 @router.post("/v1/samplers/{sampler_id}/heartbeat")

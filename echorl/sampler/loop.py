@@ -26,7 +26,7 @@ import torch
 from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
-from echorl.protocol import LeaseReply, SamplerInfo, WeightVersion
+from echorl.protocol import LeaseReply, SamplerInfo, ScoredGroup, WeightVersion
 from echorl.rollout.backend import Backend
 from echorl.rollout.follow import WeightFollower
 from echorl.rollout.generate import rollout
@@ -37,6 +37,7 @@ from echorl.tasks import get_task
 log = logging.getLogger("echorl.sampler")
 
 OUTAGE_ALARM_S = 60.0  # a broker answering 5xx (or nothing) this long is reported loudly
+PUSH_ENVELOPE = 1024  # bytes of a push beside its groups (the sampler id, the JSON around)
 
 
 class Sampler:
@@ -57,6 +58,7 @@ class Sampler:
         self.pushed = self.rejected = 0
         self.idle_s = 0.0  # in leases, waiting for admitted jobs, since the last batch
         self.tokens_per_s: float | None = None  # of the last batch
+        self.max_body_bytes = cfg.broker.max_body_bytes  # the broker's, once registered
 
     @property
     def version(self) -> int | None:
@@ -93,14 +95,30 @@ class Sampler:
         )
         gen_s = time.perf_counter() - t0
         groups = [g.model_copy(update={"gen_seconds": gen_s / len(jobs)}) for g in groups]
-        for result in self.client.push_many(sampler_id, groups):
-            if result.refused:  # the lease ran out, or a resumed trainer took the job back
-                self.rejected += 1
-                log.warning(
-                    "%s: group for job %d refused: %s", self.name, result.job_id, result.refused
-                )
-            else:
-                self.pushed += 1
+        parts, too_big = split_pushes(groups, self.max_body_bytes)
+        for g, size in too_big:  # the broker would refuse it (413) however often it was sent
+            self.rejected += 1
+            log.error(
+                "%s: group for job %d is %d bytes, over the broker's limit of %d "
+                "(broker.max_body_bytes); dropped: raise the limit, or lower "
+                "sampling.max_new_tokens or train.group_size",
+                self.name,
+                g.job_id,
+                size,
+                self.max_body_bytes,
+            )
+        for part in parts:
+            for result in self.client.push_many(sampler_id, part):
+                if result.refused:  # the lease ran out, or a resumed trainer took the job back
+                    self.rejected += 1
+                    log.warning(
+                        "%s: group for job %d refused: %s",
+                        self.name,
+                        result.job_id,
+                        result.refused,
+                    )
+                else:
+                    self.pushed += 1
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         self.tokens_per_s = tokens / gen_s  # told to the broker with the next lease
         if self.metrics:
@@ -133,7 +151,8 @@ class Sampler:
         """Lease, generate, push until `stop`. Raises BrokerRejected when the broker refuses
         this sampler: at registration (another tokenizer or task than the run's, too many
         samplers), or later (401/403: it was revoked)."""
-        sampler_id = self.client.register(self.info())
+        terms = self.client.join(self.info())
+        sampler_id, self.max_body_bytes = terms.sampler_id, terms.max_body_bytes
         log.info("%s registered as %s", self.name, sampler_id)
         outage = Outage(self.name)
         while not stop.is_set():
@@ -148,8 +167,9 @@ class Sampler:
                     self.tokens_per_s,
                 )
                 self.idle_s += time.perf_counter() - t0
-                if reply.jobs:
-                    self.work(sampler_id, reply)
+                if reply.jobs:  # silent this long, it would be lost, and its lease with it
+                    with Heartbeat(self.client, sampler_id, terms.heartbeat_s, self):
+                        self.work(sampler_id, reply)
                 outage.over()  # a whole lease -> generate -> push went through
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 outage.failed(e)
@@ -165,6 +185,62 @@ class Sampler:
             log.warning("%s: could not tell the broker it left; its leases will expire", self.name)
         if self.metrics:
             self.metrics.close()
+
+
+def split_pushes(
+    groups: list[ScoredGroup], max_body_bytes: int
+) -> tuple[list[list[ScoredGroup]], list[tuple[ScoredGroup, int]]]:
+    """`groups` in as few pushes as fit the broker's body limit (long completions make a
+    lease's groups larger than one request may be), in order; and those over the limit on
+    their own, with their sizes."""
+    room = max_body_bytes - PUSH_ENVELOPE
+    parts: list[list[ScoredGroup]] = []
+    too_big: list[tuple[ScoredGroup, int]] = []
+    used = room
+    for g in groups:
+        size = len(g.model_dump_json()) + 1  # and a comma
+        if size > room:
+            too_big.append((g, size))
+            continue
+        if used + size > room:
+            parts.append([])
+            used = 0
+        parts[-1].append(g)
+        used += size
+    return parts, too_big
+
+
+class Heartbeat:
+    """Beats for a sampler, every `interval` seconds, while it downloads, generates and
+    pushes a lease: a lease may take longer than the broker's `sampler_timeout` (a slow
+    machine, long completions), and a sampler the broker hears nothing from is lost."""
+
+    def __init__(self, client: BrokerClient, sampler_id: str, interval: float, sampler: Sampler):
+        # Its own connections, and no retries: a missed beat is retried by the next one.
+        self.client = BrokerClient(**client.settings() | {"retries": 0})
+        self.sampler_id, self.interval = sampler_id, interval
+        self.sampler = sampler
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.beat, name="heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                self.client.heartbeat(self.sampler_id, self.sampler.version)
+            except BrokerUnavailable as e:  # the main loop finds out on its next call
+                log.debug("%s: heartbeat failed: %s", self.sampler.name, e)
+            except BrokerRejected:
+                return  # revoked or quarantined: the push says so
+
+    def __enter__(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=1.0)
+        if not self.thread.is_alive():  # else a beat is in flight: it closes with the process
+            self.client.close()
 
 
 class Outage:

@@ -6,6 +6,7 @@ import signal
 import sqlite3
 import threading
 import time
+import types
 
 import pytest
 
@@ -171,5 +172,65 @@ def test_kill_9_under_concurrent_pushes_loses_no_acknowledged_group(tmp_path):
             sid = c.register(info("after"))
             fresh = [j.job_id for j in c.lease(sid, 5).jobs]
         assert min(fresh) > max(leased)  # the cursor continues; no job id is handed out twice
+    finally:
+        stop_broker(proc)
+
+
+def test_a_sampler_slower_than_the_timeout_keeps_its_lease_by_beating(tmp_path):
+    """A lease that takes longer than `broker.sampler_timeout` (a slow machine, long
+    completions): the Heartbeat keeps the sampler alive and its push accepted; a sampler
+    silent as long is lost, and its jobs go back to the queue."""
+    from echorl.sampler.loop import Heartbeat
+
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.sampler_timeout=1.5")
+    try:
+        with (
+            BrokerClient(url, TRAINER) as trainer,
+            BrokerClient(url, SAMPLER) as slow,
+            BrokerClient(url, SAMPLER) as silent,
+        ):
+            (tmp_path / "w").write_bytes(b"weights")
+            trainer.publish(0, tmp_path / "w")
+            terms = slow.join(info("slow"))
+            assert terms.heartbeat_s == 0.5 and terms.max_body_bytes == 100_000
+            quiet = silent.register(info("silent"))
+            job = slow.lease(terms.sampler_id, 1).jobs[0]
+            other = silent.lease(quiet, 1).jobs[0]
+            beating = types.SimpleNamespace(version=0, name="slow")
+            with Heartbeat(slow, terms.sampler_id, terms.heartbeat_s, beating):
+                time.sleep(4.0)  # "generating", 2.7x the timeout
+            assert slow.push(terms.sampler_id, group(job)).stored
+            with pytest.raises(BrokerRejected):  # lost: its lease went back to the queue
+                silent.push(quiet, group(other))
+            states = {s.name: s.state for s in trainer.status().samplers}
+            assert states == {"slow": "alive", "silent": "lost"}, states
+    finally:
+        stop_broker(proc)
+
+
+def test_a_lease_too_large_for_one_push_goes_in_several(tmp_path):
+    """Long completions make a lease's groups larger than `broker.max_body_bytes`: the
+    sampler splits them into pushes that fit, and drops (loudly) a group that never can."""
+    from echorl.sampler.loop import split_pushes
+
+    limits = ("-o", "broker.max_body_bytes=8192", "-o", "sampling.max_new_tokens=3000")
+    proc, url = start_broker(tmp_path / "b", free_port(), *limits)
+    try:
+        with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as sampler:
+            (tmp_path / "w").write_bytes(b"weights")
+            trainer.publish(0, tmp_path / "w")
+            terms = sampler.join(info("long"))
+            jobs = sampler.lease(terms.sampler_id, 5).jobs
+            groups = [
+                ScoredGroup.model_validate(group_body(j, ids=[26] * n))
+                for j, n in zip(jobs, (120, 120, 120, 120, 3000))
+            ]
+            with pytest.raises(BrokerRejected) as e:  # as one push: refused whole
+                sampler.push_many(terms.sampler_id, groups)
+            assert e.value.status == 413
+            parts, too_big = split_pushes(groups, terms.max_body_bytes)
+            assert [len(p) for p in parts] == [3, 1] and [g for g, _ in too_big] == groups[4:]
+            stored = [r.stored for p in parts for r in sampler.push_many(terms.sampler_id, p)]
+            assert stored == [True] * 4
     finally:
         stop_broker(proc)
