@@ -1,5 +1,5 @@
 """`python -m echorl ...` is `echorl ...` (and `torchrun -m echorl trainer ...` a trainer world)."""
 
-from echorl.cli import app
+from echorl.cli import main
 
-app(prog_name="echorl")
+main()

@@ -12,6 +12,7 @@ echorl eval --task add --model runs/colocated/policy
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -46,7 +48,7 @@ def _config(path: Path | None, overrides: list[str] | None, **fields: object) ->
     try:
         return load_config(path, [*extra, *(overrides or [])])
     except ConfigError as e:
-        console.print(f"[red]config error:[/red] {e}")
+        console.print(f"[red]config error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
 
 
@@ -55,7 +57,38 @@ def _model_path(cfg: RunConfig) -> str:
     if cfg.model.path is None:
         console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
         raise typer.Exit(2)
+    if not (Path(cfg.model.path) / "config.json").is_file():  # told before torch loads
+        console.print(
+            f"[red]model.path:[/red] {escape(cfg.model.path)} is not a model folder (no "
+            "config.json); echorl never downloads"
+        )
+        raise typer.Exit(2)
     return cfg.model.path
+
+
+def _broker_url(given: str | None, cfg: RunConfig) -> str:
+    """`--broker` (else `broker.url`, else the configured host and port), checked to be an
+    http(s) URL: a bare host:port would be retried for a minute as if the broker were down."""
+    url = given or cfg.broker.address
+    if not url.startswith(("http://", "https://")):
+        console.print(f"[red]--broker:[/red] {url!r} is not a URL; give http://HOST:PORT")
+        raise typer.Exit(2)
+    return url
+
+
+def _role_name(name: str | None, role: str) -> str:
+    """`--name`, checked as the broker will check it (or ROLE-PID)."""
+    import re
+
+    from echorl.protocol import NAME_PATTERN
+
+    if name is not None and not re.match(NAME_PATTERN, name):
+        console.print(
+            f"[red]--name:[/red] {name!r}: up to 64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+        raise typer.Exit(2)
+    return name or f"{role}-{os.getpid()}"
 
 
 def _threads(cfg: RunConfig) -> None:
@@ -105,16 +138,18 @@ def warm_up_to(cfg: RunConfig, model_dir: Path | None, out: Path) -> Path:
 def sft(
     out: Path = typer.Option(..., help="where to save the warmed-up checkpoint (policy version 0)"),
     task: str = typer.Option(None, help="task name (task.name)"),
-    model: Path = typer.Option(None, help="local HF model folder; unset = a fresh tiny model"),
+    model: Path = typer.Option(
+        None, help="local HF model folder (model.path); unset = a fresh tiny model"
+    ),
     steps: int = typer.Option(None, help="warm-up steps (sft.steps)"),
     config: Path = CONFIG,
     override: list[str] = OVERRIDE,
 ) -> None:
     """Supervised warm-up on task demonstrations."""
-    cfg = _config(config, override, **{"task.name": task, "sft.steps": steps})
+    cfg = _config(config, override, **{"task.name": task, "sft.steps": steps, "model.path": model})
     _quiet_transformers()
     _threads(cfg)
-    warm_up_to(cfg, model, out)
+    warm_up_to(cfg, cfg.model.path and Path(cfg.model.path), out)
 
 
 def _print_result(result) -> None:
@@ -144,7 +179,7 @@ def train(
         False, "--colocated", help="generate and train in this one process"
     ),
     task: str = typer.Option(None, help="task name (task.name)"),
-    model: Path = typer.Option(None, help="local HF model folder (policy version 0)"),
+    model: Path = typer.Option(None, help="local HF model folder, policy version 0 (model.path)"),
     steps: int = typer.Option(None, help="RL steps (train.steps)"),
     out: str = typer.Option(None, help="output folder (train.out_dir)"),
     resume: bool = typer.Option(
@@ -161,9 +196,11 @@ def train(
         )
         raise typer.Exit(2)
     cfg = _config(
-        config, override, **{"task.name": task, "train.steps": steps, "train.out_dir": out}
+        config,
+        override,
+        **{"task.name": task, "train.steps": steps, "train.out_dir": out, "model.path": model},
     )
-    model_path = model or _model_path(cfg)
+    model_path = _model_path(cfg)
     _quiet_transformers()
     from echorl.trainer.colocated import run_colocated
 
@@ -225,12 +262,19 @@ def demo(
     override: list[str] = OVERRIDE,
 ) -> None:
     """The decoupled system on the tiny model: warm-up, then a broker, a sampler and a trainer
-    as separate processes under the async protocol; live view, report, plots."""
+    as separate processes under the async protocol; live view, report, plots. An earlier
+    demo in the output folder is replaced."""
     cfg = _config(
         config,
         [*DEMO, *(override or [])],
         **{"task.name": task, "train.steps": steps, "train.out_dir": str(out)},
     )
+    earlier = Path(cfg.train.out_dir)
+    if (earlier / "broker" / "broker.sqlite").exists() and (earlier / "config.yaml").exists():
+        import shutil
+
+        console.print(f"replacing the earlier demo run in {earlier}")
+        shutil.rmtree(earlier)
     raise typer.Exit(_run_swarm(cfg))
 
 
@@ -267,7 +311,7 @@ def broker(
     try:
         api = create_app(cfg)
     except SetupError as e:
-        console.print(f"[red]broker: cannot serve this run:[/red] {e}")
+        console.print(f"[red]broker: cannot serve this run:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     if cfg.broker.insecure_no_auth:
         console.print(
@@ -324,6 +368,7 @@ def sampler(
         },
     )
     _model_path(cfg)
+    name, url = _role_name(name, "sampler"), _broker_url(broker_url, cfg)
     _quiet_transformers()
     import torch
 
@@ -335,8 +380,6 @@ def sampler(
     if cfg.sampler.threads:
         torch.set_num_threads(cfg.sampler.threads)
     stop = _stop_on_signals()
-    name = name or f"sampler-{os.getpid()}"
-    url = broker_url or cfg.broker.address
     backend = _sampler_backend(cfg)
     with (
         BrokerClient(url, token, retries=10, cancel=stop) as client,
@@ -349,7 +392,7 @@ def sampler(
         try:
             worker.run(stop)
         except BrokerRejected as e:  # refused (registration, revoked, quarantined): final
-            console.print(f"[red]{name}: the broker refused this sampler:[/red] {e.reason}")
+            console.print(f"[red]{name}: the broker refused this sampler:[/red] {escape(e.reason)}")
             raise typer.Exit(2) from None
     console.print(f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused)")
 
@@ -360,7 +403,7 @@ def _sampler_backend(cfg: RunConfig):
     resident as a lease may still ask for (`max_staleness + 1`)."""
     from echorl.models.lora import spec_of
 
-    lora, keep = spec_of(cfg.model.lora), cfg.broker.max_staleness + 1
+    lora, keep = spec_of(cfg.model.lora), cfg.broker.staleness + 1
     if cfg.sampler.backend == "openai":
         from echorl.broker.state import run_tokenizer
         from echorl.rollout.openai_backend import OpenAIBackend, ServerRefused
@@ -371,7 +414,7 @@ def _sampler_backend(cfg: RunConfig):
         try:
             return OpenAIBackend(cfg.sampler.endpoint, run_tokenizer(cfg.model), lora, keep)
         except ServerRefused as e:
-            console.print(f"[red]sampler.backend = openai:[/red] {e}")
+            console.print(f"[red]sampler.backend = openai:[/red] {escape(str(e))}")
             raise typer.Exit(2) from None
     if cfg.sampler.backend == "vllm":
         from echorl.broker.state import run_tokenizer
@@ -425,6 +468,7 @@ def auditor(
 
     cfg = _config(config, override, **{"model.path": model, "model.device": device})
     _model_path(cfg)
+    name, url = _role_name(name, "auditor"), _broker_url(broker_url, cfg)
     _quiet_transformers()
     import torch
 
@@ -437,10 +481,8 @@ def auditor(
     if threads:
         torch.set_num_threads(threads)
     stop = _stop_on_signals()
-    name = name or f"auditor-{os.getpid()}"
-    url = broker_url or cfg.broker.address
     policy, tokenizer = load_policy(cfg.model.path, cfg.model.device, torch.float32)
-    backend = HFBackend(policy, tokenizer, keep_adapters=cfg.broker.max_staleness + 1)
+    backend = HFBackend(policy, tokenizer, keep_adapters=cfg.broker.staleness + 1)
     with (
         BrokerClient(url, token, retries=10, cancel=stop) as client,
         tempfile.TemporaryDirectory() as cache,
@@ -451,7 +493,7 @@ def auditor(
         try:
             worker.run(stop)
         except BrokerRejected as e:
-            console.print(f"[red]{name}: the broker refused this auditor:[/red] {e.reason}")
+            console.print(f"[red]{name}: the broker refused this auditor:[/red] {escape(e.reason)}")
             raise typer.Exit(2) from None
     console.print(
         f"{name}: stopped after {worker.audited} groups "
@@ -482,23 +524,25 @@ def trainer(
     SIGTERM checkpoints and exits; --resume continues exactly."""
     cfg = _config(config, override, **{"train.out_dir": out, "model.path": model})
     _model_path(cfg)
-    cpus = _cpu_set(io_cpus)
+    cpus, url = _cpu_set(io_cpus), _broker_url(broker_url, cfg)
     _quiet_transformers()
     _threads(cfg)
     from echorl.client import BrokerClient, BrokerError
-    from echorl.trainer.brokerio import NonFiniteWeights
+    from echorl.trainer.brokerio import IOProcessDied, NonFiniteWeights
     from echorl.trainer.decoupled import NoSamplers, run_trainer
 
     stop = _stop_on_signals()
-    url = broker_url or cfg.broker.address
     try:
         with BrokerClient(url, token, retries=10) as client:
             folder = run_trainer(cfg, cfg.model.path, client, console, resume, stop, cpus)
     except BrokerError as e:
-        console.print(f"[red]broker {url}:[/red] {e}")
+        console.print(f"[red]broker {url}:[/red] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    except IOProcessDied as e:  # its own error, if it had one, is printed above
+        console.print(f"[red]the trainer stops:[/red] {escape(str(e))}")
         raise typer.Exit(1) from None
     except NoSamplers as e:  # nobody left to generate: say so and stop, never wait forever
-        console.print(f"[red]the swarm is empty:[/red] {e}")
+        console.print(f"[red]the swarm is empty:[/red] {escape(str(e))}")
         raise typer.Exit(1) from None
     except NonFiniteWeights as e:  # the policy diverged: stop, never serve it
         console.print(
@@ -512,11 +556,22 @@ def trainer(
 
 
 def _cpu_set(text: str | None) -> set[int] | None:
+    """`--io-cpus`: cores this process may run on (Linux), or None."""
+    if text is None:
+        return None
     try:
-        return None if text is None else {int(c) for c in text.split(",")}
+        cores = {int(c) for c in text.split(",")}
     except ValueError:
         console.print(f"[red]--io-cpus:[/red] {text!r} is not a comma-separated list of cores")
         raise typer.Exit(2) from None
+    usable = set(range(os.cpu_count() or 1))  # any of the machine's, not just this process's
+    if not cores <= usable:
+        console.print(
+            f"[red]--io-cpus:[/red] no core {sorted(cores - usable)} here; this machine has "
+            f"cores 0-{max(usable)}"
+        )
+        raise typer.Exit(2)
+    return cores
 
 
 @app.command()
@@ -576,7 +631,9 @@ def launch_scale(
     try:
         console.print(f"the launcher now keeps {scale(samplers, address)} samplers")
     except ValueError as e:  # no launcher actor on that cluster
-        console.print(f"[red]no running echorl launch ray found at {address}:[/red] {e}")
+        console.print(
+            f"[red]no running echorl launch ray found at {address}:[/red] {escape(str(e))}"
+        )
         raise typer.Exit(1) from None
 
 
@@ -628,6 +685,7 @@ def _admin_call(broker_url: str, token: str | None, call):
     broker's reason may quote what samplers wrote) and exits 1."""
     from echorl.client import BrokerClient, BrokerError
 
+    _broker_url(broker_url, RunConfig())
     try:
         with BrokerClient(broker_url, token, retries=1) as client:
             return call(client)
@@ -640,7 +698,9 @@ def _admin_call(broker_url: str, token: str | None, call):
 def status(
     broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
     token: str = typer.Option(
-        None, envvar="ECHORL_TOKEN", help="the trainer (admin) token (or $ECHORL_TOKEN)"
+        None,
+        envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
+        help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
     ),
 ) -> None:
     """Print a broker's samplers, versions, jobs, replay buffer and verifier failures."""
@@ -706,7 +766,9 @@ def revoke(
     sampler_id: str = typer.Argument(..., help="the sampler's id (see `echorl status`)"),
     broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
     token: str = typer.Option(
-        None, envvar="ECHORL_TOKEN", help="the trainer (admin) token (or $ECHORL_TOKEN)"
+        None,
+        envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
+        help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
     ),
 ) -> None:
     """Refuse one sampler from now on; its leased jobs go back to the queue."""
@@ -714,5 +776,22 @@ def revoke(
     console.print(f"sampler {sampler_id} revoked; {returned} leased jobs returned to the queue")
 
 
+def main() -> None:
+    """The `echorl` command: the app, with the errors a user makes (a path that is not a model
+    folder, a broker that does not answer) told in one line and exit 2 or 1, no traceback."""
+    try:
+        app(prog_name="echorl")
+    except Exception as e:
+        # Their modules are loaded if they raised (and left unimported for --help's speed).
+        loading, client = sys.modules.get("echorl.models.loading"), sys.modules.get("echorl.client")
+        if loading and isinstance(e, loading.NotAModelFolder):
+            console.print(f"[red]model.path:[/red] {escape(str(e))}")
+            raise SystemExit(2) from None
+        if client and isinstance(e, client.BrokerUnavailable):
+            console.print(Text(f"the broker does not answer: {e}", style="red"))
+            raise SystemExit(1) from None
+        raise
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -9,17 +9,14 @@ Unknown keys are errors, so a typo never silently does nothing.
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+DEVICE = r"^(cpu|mps|(cuda|xpu)(:\d+)?)$"  # a torch device name, checked before any is made
 
 
 class _Section(BaseModel):
@@ -54,7 +51,7 @@ class ModelConfig(_Section):
         "1m", description="tiny-model size when `path` is unset"
     )
     init_seed: int = Field(0, ge=0, description="seed of the tiny model's random initialisation")
-    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, mps")
+    device: str = Field("cpu", pattern=DEVICE, description="torch device: cpu, cuda, cuda:1, mps")
     threads: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
     )
@@ -294,6 +291,11 @@ class BrokerConfig(_Section):
     def address(self) -> str:
         return self.url or f"http://{self.host}:{self.port}"
 
+    @property
+    def staleness(self) -> int:
+        """The bound in force: `max_staleness` in async; 0 in sync (every group on-policy)."""
+        return self.max_staleness if self.mode == "async" else 0
+
 
 class VerifyConfig(_Section):
     """Verifiers (the task's scoring code) run in worker processes, each call bounded: one
@@ -386,7 +388,9 @@ class SamplerConfig(_Section):
     jobs_per_lease: int = Field(
         16, ge=1, le=1024, description="jobs leased, and generated as one batch, at a time"
     )
-    device: str | None = Field(None, description="torch device; unset = model.device")
+    device: str | None = Field(
+        None, pattern=DEVICE, description="torch device; unset = model.device"
+    )
     threads: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
     )
@@ -499,9 +503,14 @@ class ConfigError(ValueError):
 
 
 def _read_file(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give a TOML or YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
@@ -512,7 +521,9 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b=value` in the nested dict; the value is read as a YAML scalar."""
+    """Set `a.b=value` in the nested dict. A text field takes the value as written (`2024`,
+    `yes` and `a #1` stay text; quote it to have YAML read it); any other field's value is
+    read as YAML (numbers, booleans, lists). An empty value unsets the field."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} must look like section.field=value")
@@ -522,7 +533,28 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part} is not a section")
-    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():
+        node[leaf] = None
+    elif _is_text(parents, leaf) and raw.strip()[0] not in "'\"":
+        node[leaf] = raw
+    else:
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{key.strip()}: cannot read {raw!r}: {problem}") from None
+
+
+def _is_text(parents: list[str], leaf: str) -> bool:
+    """Whether RunConfig's field `parents.leaf` holds text (str, or str or None)."""
+    section: Any = RunConfig
+    for part in parents:
+        field = getattr(section, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        section = field.annotation
+    field = getattr(section, "model_fields", {}).get(leaf)
+    return field is not None and field.annotation in (str, str | None)
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -253,7 +253,7 @@ class BrokerState:
             task=self.task.name,
             tokenizer=self.codec.fingerprint,
             mode=b.mode,
-            max_staleness=b.max_staleness,
+            max_staleness=b.staleness,
             batch_prompts=t.batch_prompts,
             group_size=t.group_size,
             latest_version=self.store.latest_version(),
@@ -328,12 +328,19 @@ def build_state(cfg: RunConfig) -> BrokerState:
     except (TokenizerError, OSError, ValueError) as e:
         raise SetupError(f"model.tokenizer: {e}") from None
     data = Path(b.data_dir)
-    store = open_store(cfg, task, codec)
+    fresh = not (data / "broker.sqlite").exists()
     try:
-        auth = Auth(b, store.secrets(), store.revoked())
-    except ValueError as e:
-        store.close()
-        raise SetupError(str(e)) from None
+        store = open_store(cfg, task, codec)
+        try:
+            auth = Auth(b, store.secrets(), store.revoked())
+        except ValueError as e:
+            store.close()
+            raise SetupError(str(e)) from None
+    except SetupError:
+        if fresh:  # a run that never started leaves nothing behind to resume
+            for name in ("broker.sqlite", "broker.sqlite-wal", "broker.sqlite-shm"):
+                (data / name).unlink(missing_ok=True)
+        raise
     # The task loaded here already; its workers start in the background (/healthz answers).
     verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers, wait=False)
     metrics = Metrics()
@@ -350,7 +357,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         # Sync is admission with max_staleness 0 and every job pinned to the latest version.
         admission=Admission(
             batch=cfg.train.batch_prompts,
-            max_staleness=b.max_staleness if b.mode == "async" else 0,
+            max_staleness=b.staleness,
             pin_version=b.mode == "sync",
         ),
         metrics=metrics,

@@ -253,7 +253,13 @@ def launch(
     handler = signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
     try:
         swarm.spawn("broker", "broker", "-c", str(config), cpus=other_cores)
-        wait_healthy(swarm.url, swarm.broker)
+        try:
+            wait_healthy(swarm.url, swarm.broker)
+        except RuntimeError as e:  # it refused the run (its reason is in its log) or hung
+            said = (out / "logs" / "broker.log").read_text(errors="replace").strip()
+            console.print(f"[red]{e}; its log ends:[/red]")
+            console.print("\n".join(said.splitlines()[-6:]) or "(nothing)", markup=False)
+            return 2, out
         common = ("--broker", swarm.url, "-c", str(config))
         for k in range(cfg.launch.samplers):
             swarm.spawn(

@@ -67,7 +67,8 @@ class RoleActor:
         fd, path = tempfile.mkstemp(prefix=f"echorl-{name}-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             f.write(config)
-        argv = [path if a == "{config}" else a for a in argv]
+        self.port = _free_port() if "{port}" in argv else None  # free on this node
+        argv = [path if a == "{config}" else str(self.port) if a == "{port}" else a for a in argv]
         Path(logs).mkdir(parents=True, exist_ok=True)
         self.log = open(Path(logs) / f"{name}.log", "a", buffering=1)  # noqa: SIM115
         if resumed:
@@ -99,6 +100,10 @@ class RoleActor:
     def where(self) -> tuple[str, int]:
         """(node IP, the command's pid)."""
         return ray.util.get_node_ip_address(), self.proc.pid
+
+    def address(self) -> tuple[str, int | None]:
+        """(node IP, the port it chose for its command's `{port}`)."""
+        return ray.util.get_node_ip_address(), self.port
 
     def output(self, seen: int) -> tuple[int, list[str]]:
         """Lines after the first `seen` (as many as are still kept), and the new count."""
@@ -203,11 +208,10 @@ class RaySwarm:
                 del self.placing[name]
 
     def start_broker(self) -> None:
-        port = _free_port()
         argv = echorl_command(("broker", "-c", "{config}", "--host", "0.0.0.0"))
-        argv += ["--port", str(port)]
+        argv += ["--port", "{port}"]  # chosen on the node the broker lands on
         broker = self.start("broker", argv, self.cfg.launch.ray.broker, restarts=0)
-        host, _ = ray.get(broker.where.remote())
+        host, port = ray.get(broker.address.remote())
         self.url = f"http://{host}:{port}"
         _wait_healthy(self.url, broker)
 
@@ -338,7 +342,8 @@ def scale(samplers: int, address: str = "auto") -> int:
 
 
 def _free_port() -> int:
-    """A port free on the node this runs on (the broker's actor asks on its own node)."""
+    """A port free on the node this runs on (the broker's actor asks on its own node, so
+    the launcher never picks one on a machine the broker is not on)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

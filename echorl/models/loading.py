@@ -23,10 +23,14 @@ log = logging.getLogger(__name__)
 ROUND_TRIP_PROBE = "a b  c\n12 + 34 = 46"
 
 
+class NotAModelFolder(FileNotFoundError):
+    """A model path that is not a local Hugging Face folder."""
+
+
 def _check_dir(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise NotAModelFolder(
             f"{path} is not a model folder (no config.json); echorl never downloads"
         )
     return path

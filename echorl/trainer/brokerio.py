@@ -142,7 +142,7 @@ class BrokerIO:
     # -- commands ---------------------------------------------------------------------------
 
     def prefetch(self, step: int, n: int) -> None:
-        self.conn.send(("pull", step, n))
+        self._send(("pull", step, n))
 
     def batch(
         self, step: int, stop: threading.Event, timeout: float | None = None
@@ -154,13 +154,13 @@ class BrokerIO:
         return self.batches.pop(step)
 
     def ack(self, job_ids: list[int], step: int) -> None:
-        self.conn.send(("ack", job_ids, step))
+        self._send(("ack", job_ids, step))
 
     def audit(self, report: AuditReport) -> None:
-        self.conn.send(("audit", report))
+        self._send(("audit", report))
 
     def ask_swarm(self) -> None:
-        self.conn.send(("swarm",))
+        self._send(("swarm",))
 
     def publish(self, state: dict, meta: dict[str, str] | None, version: int) -> None:
         """Copy `state` (as a safetensors file) into the shared buffer and have the helper
@@ -172,16 +172,16 @@ class BrokerIO:
         if self.buffer is None or len(self.buffer) < size:
             self._new_buffer(size)
         write_safetensors(state, meta, memoryview(self.buffer))
-        self.conn.send(("publish", version, size))
+        self._send(("publish", version, size))
         self.publishing = version
 
     def open_log(self, path: Path, keep_through_step: int = 0) -> None:
         """The run's metrics go to `path` (and TensorBoard), from the helper: MetricsLog."""
-        self.conn.send(("log_open", path, keep_through_step))
+        self._send(("log_open", path, keep_through_step))
 
     def log(self, record: dict, line: str | None = None) -> None:
         """Append `record` to the metrics and print `line`, in the helper."""
-        self.conn.send(("log", record, line))
+        self._send(("log", record, line))
 
     def wait(self) -> None:
         """Until the last version asked for is stored at the broker (its errors raise here)."""
@@ -195,7 +195,7 @@ class BrokerIO:
     def close(self) -> None:
         try:
             self.wait()
-            self.conn.send(("close",))
+            self._send(("close",))
             self.proc.join(30)
         finally:
             if self.proc.is_alive():
@@ -218,7 +218,7 @@ class BrokerIO:
         finally:
             os.close(fd)
         self.opened = False
-        self.conn.send(("buffer", path, size))
+        self._send(("buffer", path, size))
         try:
             self._until(lambda: self.opened)
         finally:
@@ -226,6 +226,14 @@ class BrokerIO:
         if self.buffer is not None:
             self.buffer.close()
         self.buffer = buffer
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError:  # a broken pipe: the helper is gone
+            raise IOProcessDied(
+                f"the trainer's I/O process exited ({self.proc.exitcode})"
+            ) from None
 
     def _recv(self):
         try:

@@ -172,8 +172,8 @@ class DecoupledTrainer:
         # Which groups a partial audit checks: unknowable to the samplers, equal on every rank.
         self.spot = random.Random(world.broadcast(secrets.randbits(64)))
         self.past = None  # recent versions' weights, to audit stale groups exactly
-        if self.cfg.quarantine.exact_stale and self.cfg.broker.max_staleness:
-            self.past = PastVersions(self.cfg.broker.max_staleness)
+        if self.cfg.quarantine.exact_stale and self.cfg.broker.staleness:
+            self.past = PastVersions(self.cfg.broker.staleness)
             self.past.record(self.model, self.step)
         if self.step == 0 and world.leader:
             self.io.log({"step": 0, **self.evaluate()})
@@ -464,9 +464,12 @@ def run_trainer(
             )
             trainer.console.print(f"trainer on cores {cores}{where}")
         trainer.start(resume)
-        return trainer.run(stop or threading.Event())
-    finally:
-        world.close()
+        folder = trainer.run(stop or threading.Event())
+    except BaseException:
+        world.close(together=False)
+        raise
+    world.close()
+    return folder
 
 
 def mismatch_by_sampler(groups: list[ScoredGroup], audits: list[GroupAudit]) -> dict[str, float]:

@@ -17,6 +17,7 @@ gloo on CPU, NCCL on GPUs, picked from the device.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -77,8 +78,16 @@ class World:
         mine = index[self.rank :: self.size]
         return (mine, False) if len(mine) else (index[:1], True)
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
+        """Leave the world. `together` (every rank finished): a barrier first, so no rank
+        tears down while another still talks, then a pause: gloo's worker threads free
+        finished work themselves and need the GIL to, and a group destroyed under the GIL
+        (by DDP's reducer, when the model goes) waits for those threads, a deadlock at exit
+        (seen once in CI). Not together (a rank failed): at once, since nobody may come."""
         if self.started:
+            if together:
+                dist.barrier()
+                time.sleep(0.2)
             dist.destroy_process_group()
 
 

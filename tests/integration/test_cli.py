@@ -129,3 +129,36 @@ def test_every_settings_verb_takes_a_config_file_and_overrides(warm, tmp_path):
         assert bad.returncode == 2 and "train.steps" in bad.stdout, (verb, bad.stdout, bad.stderr)
     both = echorl("run", str(tmp_path / "run.toml"), *c, check=False)
     assert both.returncode == 2 and "give the config once" in both.stdout
+
+
+def test_a_users_mistakes_get_one_line_naming_the_flag_and_no_traceback(warm, tmp_path):
+    """Each mistake is told in a line naming what to fix, exit 2 (or 1: a broker that does
+    not answer), before any model is loaded or any state is written."""
+    model = ["--model", str(warm)]
+    cases = [
+        (["eval", "--model", str(tmp_path / "nowhere")], 2, "model.path"),
+        (["sampler", "--broker", "127.0.0.1:9", *model], 2, "--broker"),
+        (["sampler", "--broker", "http://127.0.0.1:9", "--name", "a b", *model], 2, "--name"),
+        (["auditor", "--broker", "http://127.0.0.1:9", "--name", "../x", *model], 2, "--name"),
+        (["sft", "--out", str(tmp_path / "x"), "-o", "train.steps=[oops"], 2, "train.steps"),
+        (["eval", *model, "-o", "model.device=gpu"], 2, "model.device"),
+        (["trainer", "--broker", "http://127.0.0.1:9", *model, "--io-cpus", "999"], 2, "--io-cpus"),
+        (["status", "--broker", "127.0.0.1:9"], 2, "--broker"),
+        (["sft", "--out", str(tmp_path / "x"), "-c", str(tmp_path)], 2, "is a folder"),
+    ]
+    for args, code, named in cases:
+        shown = echorl(*args, check=False)
+        said = " ".join((shown.stdout + shown.stderr).split())
+        assert shown.returncode == code and named in said, (args, said)
+        assert "Traceback" not in said, (args, said)
+    assert not (tmp_path / "x").exists()
+    # A broker that refuses the run: `echorl run` shows its reason, leaves no run behind,
+    # and the same --out runs once the setting is fixed.
+    out = tmp_path / "run"
+    run = ["run", "--out", str(out), "-o", f"model.path={warm}", "-o", "train.steps=1"]
+    run += ["-o", "train.batch_prompts=2", "-o", "train.group_size=2", "-o", "train.eval_prompts=2"]
+    refused = echorl(*run, "-o", "sampling.prompt_format=chat", check=False)
+    said = " ".join(refused.stdout.split())
+    assert refused.returncode == 2 and "chat template" in said, said
+    assert not (out / "broker" / "broker.sqlite").exists()
+    assert "already holds a run" not in echorl(*run).stdout

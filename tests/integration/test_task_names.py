@@ -104,6 +104,7 @@ def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
     raised = broker(f"task.name={bad}:Bad")
     assert raised.returncode == 2 and "no data mounted" in " ".join(raised.stdout.split())
     assert not (tmp_path / "b" / "weights").exists()  # refused before it served anything
+    assert not list((tmp_path / "b").glob("broker.sqlite*"))  # and left no run to resume
     # A data dir serves one run: restarted with another task, the broker says so.
     proc, _ = start_broker(tmp_path / "served", free_port())
     stop_broker(proc)

@@ -82,6 +82,9 @@ def test_toml_and_yaml_configs_load_and_overrides_win(tmp_path):
         ("sampling.top_p=0", "sampling.top_p"),
         ("advantage.type=ppo", "advantage.type"),
         ("nonsense", "section.field=value"),
+        ("train.steps=[oops", "train.steps"),  # not YAML
+        ("model.device=gpu", "model.device"),  # no such torch device: refused before use
+        ("sampler.device=cuda:x", "sampler.device"),
     ],
 )
 def test_bad_fields_are_named_in_the_error(override, field):
@@ -95,6 +98,35 @@ def test_bad_files_are_reported(tmp_path):
     (tmp_path / "bad.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(tmp_path / "bad.toml")
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)
+    (tmp_path / "latin1.toml").write_bytes('[task]\nname = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "latin1.toml")
+
+
+def test_text_fields_take_an_override_as_written():
+    """A path named 2024, a prompt with a colon or a '#': text, not YAML's int or comment."""
+    cfg = load_config(
+        None,
+        [
+            "train.out_dir=2024",
+            "model.path=yes",
+            "sampling.system_prompt=You are: helpful",
+            "broker.data_dir=runs/a #1",
+            "sampler.endpoint='http://h:1/v1'",  # quoted: read as YAML, quotes dropped
+            "train.steps=5",
+            "model.device=cuda:1",
+        ],
+    )
+    assert (cfg.train.out_dir, cfg.model.path, cfg.sampling.system_prompt) == (
+        "2024",
+        "yes",
+        "You are: helpful",
+    )
+    assert (cfg.broker.data_dir, cfg.sampler.endpoint) == ("runs/a #1", "http://h:1/v1")
+    assert (cfg.train.steps, cfg.model.device) == (5, "cuda:1")
+    assert load_config(None, ["model.path="]).model.path is None  # empty: unset
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="core pinning is Linux's")
