@@ -1,8 +1,9 @@
 """echorl: reinforcement-learning post-training of language models on decoupled hardware.
 
-The package follows the Echo design (arXiv 2508.05387): samplers and trainers on
-separate machines joined by a broker. This release holds the foundation: the tiny
-model, the tasks, the GRPO family of losses and the co-located reference loop.
+The package follows the Echo design (arXiv 2508.05387): an inference swarm of samplers
+and a training swarm, on separate machines of any kind, joined only by a broker over
+HTTP, under sequential pull (sync) or asynchronous push-pull (async). README.md is the
+guide; ARCHITECTURE.md (shared/) the design.
 """
 
 __version__ = "0.1.0"

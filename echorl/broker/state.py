@@ -83,7 +83,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.pushed = Counter("broker_groups_pushed", "groups accepted", registry=self.registry)
+        self.pushed = Counter(
+            "broker_groups_pushed",
+            "groups pushed, scored and ready for the trainer",
+            registry=self.registry,
+        )
         self.dropped = Counter(
             "broker_groups_dropped_stale", "groups dropped as too stale", registry=self.registry
         )

@@ -506,8 +506,12 @@ class BrokerStore:
             try:  # the task's and the template's own code: a failure parks this job alone
                 seed, problem = self._problem_for(job_id)
                 prompt, ids = problem.prompt, self.encode(problem.prompt)
-                if not ids or len(ids) > MAX_PROMPT_TOKENS or max(ids) >= self.vocab_size:
-                    raise ValueError(f"its prompt encodes to {len(ids)} ids, not all in the vocab")
+                if not ids or len(ids) > MAX_PROMPT_TOKENS:
+                    raise ValueError(
+                        f"its prompt encodes to {len(ids)} ids (1 to {MAX_PROMPT_TOKENS} allowed)"
+                    )
+                if max(ids) >= self.vocab_size:
+                    raise ValueError(f"its prompt encodes to ids beyond the vocab ({max(ids)})")
                 state = "queued"
                 made.append(job_id)
             except Exception as e:

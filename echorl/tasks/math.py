@@ -100,7 +100,10 @@ class MathJSONL:
         for i, line in enumerate(Path(self.path).read_text().splitlines(), 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{self.path}:{i}: not a JSON object: {e.msg}") from None
             if not isinstance(row, dict) or not {"prompt", "answer"} <= row.keys():
                 raise ValueError(f"{self.path}:{i}: each line needs 'prompt' and 'answer'")
             rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"])})

@@ -374,7 +374,7 @@ def test_more_hostile_requests_are_refused_without_side_effects(broker):
 def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
     import time
 
-    from tests.integration.conftest import free_port, start_broker, stop_broker
+    from tests.integration.conftest import free_port, query, start_broker, stop_broker, wait_until
 
     proc, url = start_broker(
         tmp_path / "b",
@@ -397,7 +397,10 @@ def test_leases_expire_and_unacked_pulls_return_over_http(tmp_path):
             ).json()["jobs"]
 
         (job,) = lease(a)  # sampler a "dies" holding it
-        time.sleep(2.5)
+        # The broker's sweep (each second) finds the lease run out: the job is queued again,
+        # and `a` barred for one lease period from then.
+        sql = "SELECT state FROM jobs WHERE job_id = ?"
+        wait_until(lambda: query(tmp_path / "b", sql, job["job_id"]) == [("queued",)], 10)
         assert [j["job_id"] for j in lease(b)] == [job["job_id"]]  # re-leased to b
         assert lease(a) == []  # its lease ran out unpushed: barred for one lease period
         late = httpx.post(
