@@ -190,7 +190,7 @@ async def push(request: Request, caller: Caller = SAMPLER, st: BrokerState = Sta
     """Stored durably and answered at once; the verifier pool scores it later."""
     body = await parsed(request, PushRequest)
     caller.acts_as(body.sampler_id)
-    st.check_size(body.group)
+    st.check_completions(body.group)
     now = time.time()
     seed = await st.write(st.store.push, body.sampler_id, body.group, now)
     if seed is not None:
@@ -209,7 +209,7 @@ async def push_many(
     sized, results = [], {}
     for group in body.groups:
         try:
-            st.check_size(group)
+            st.check_completions(group)
             sized.append(group)
         except ProtocolError as e:
             results[group.job_id] = PushResult(job_id=group.job_id, stored=False, refused=str(e))

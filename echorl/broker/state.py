@@ -216,10 +216,12 @@ class BrokerState:
             self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again
         return quarantined
 
-    def check_size(self, group: ScoredGroup) -> None:
+    def check_completions(self, group: ScoredGroup) -> None:
         """No completion longer than the run lets a sampler generate (Unprocessable): the
         task's `max_new_tokens` (or sampling.max_new_tokens), or for an environment its
-        `max_turns` turns of `max_action_tokens` (observations are checked by replay)."""
+        `max_turns` turns of `max_action_tokens` (observations are checked by replay). A
+        single-turn task's completions carry no `turns`: all of it is the model's, so the
+        tokens scored are the tokens trained on and audited."""
         task = self.task
         for k, c in enumerate(group.completions):
             if self.multi_turn:
@@ -230,6 +232,14 @@ class BrokerState:
                         f"completions[{k}]: {len(turns)} turns of {model} tokens, but "
                         f"{task.name} allows {task.max_turns} of {task.max_action_tokens}"
                     )
+            elif c.turns is not None:
+                # The loss and the audit train only a model turn's tokens; the verifier reads
+                # them all. Turns a single-turn task never makes would credit the model for
+                # text marked as the environment's (an answer behind a lone eos).
+                raise Unprocessable(
+                    f"completions[{k}]: turns on a single-turn task ({task.name}); every "
+                    "token of its completion is the model's"
+                )
             elif len(c.token_ids) > (limit := self.max_new_tokens):
                 raise Unprocessable(
                     f"completions[{k}]: {len(c.token_ids)} tokens, but the run generates at "

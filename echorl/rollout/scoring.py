@@ -44,6 +44,8 @@ def score_completion(
     """Completion `k`'s reward: the verifier on its text, or its episode's replayed return."""
     if is_environment(task):
         return replay_episode(task, problem.seed, c, codec, k)
+    if c.turns is not None:  # the broker refuses these on arrival; never score them
+        raise ProtocolError(f"completions[{k}]: turns on single-turn task {task.name}")
     return reward(task, problem, codec.decode(c.token_ids), format_reward)
 
 
