@@ -115,9 +115,8 @@ def tiny(out: Path, preset: str = typer.Option("1m", help="1m, 10m or 50m"), see
 
 def warm_up_to(cfg: RunConfig, model_dir: Path | None, out: Path) -> Path:
     """Warm up `model_dir` (or a fresh tiny model) on the task and save it to `out`."""
-    from rich.progress import Progress
-
     from echorl.models import build_tiny_model, load_policy
+    from echorl.progress import steps
     from echorl.tasks import get_task
     from echorl.trainer.sft import warm_up
 
@@ -125,8 +124,8 @@ def warm_up_to(cfg: RunConfig, model_dir: Path | None, out: Path) -> Path:
         model, tokenizer = load_policy(model_dir, cfg.model.device)
     else:
         model, tokenizer = build_tiny_model(cfg.model.preset, cfg.model.init_seed)
-    with Progress(console=console) as progress:
-        losses = warm_up(model, tokenizer, get_task(cfg.task.name), cfg.sft, progress, cfg.sampling)
+    with steps(console, f"warm-up on {cfg.task.name}", cfg.sft.steps) as bar:
+        losses = warm_up(model, tokenizer, get_task(cfg.task.name), cfg.sft, bar, cfg.sampling)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if losses:
@@ -203,8 +202,14 @@ def train(
     model_path = _model_path(cfg)
     _quiet_transformers()
     from echorl.trainer.colocated import run_colocated
+    from echorl.trainer.flat import NothingLearned
 
-    _print_result(run_colocated(cfg, model_path, resume=resume, console=console))
+    try:
+        result = run_colocated(cfg, model_path, resume=resume, console=console)
+    except NothingLearned as e:  # every group flat for launch.stall_timeout_s
+        console.print(f"[red]the trainer stops:[/red] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    _print_result(result)
 
 
 @app.command("eval")
@@ -530,6 +535,7 @@ def trainer(
     from echorl.client import BrokerClient, BrokerError
     from echorl.trainer.brokerio import IOProcessDied, NonFiniteWeights
     from echorl.trainer.decoupled import NoSamplers, run_trainer
+    from echorl.trainer.flat import NothingLearned
 
     stop = _stop_on_signals()
     try:
@@ -543,6 +549,9 @@ def trainer(
         raise typer.Exit(1) from None
     except NoSamplers as e:  # nobody left to generate: say so and stop, never wait forever
         console.print(f"[red]the swarm is empty:[/red] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    except NothingLearned as e:  # every group flat for launch.stall_timeout_s
+        console.print(f"[red]the trainer stops:[/red] {escape(str(e))}")
         raise typer.Exit(1) from None
     except NonFiniteWeights as e:  # the policy diverged: stop, never serve it
         console.print(
@@ -696,17 +705,34 @@ def _admin_call(broker_url: str, token: str | None, call):
 
 @app.command()
 def status(
-    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    broker_url: str = typer.Option(None, "--broker", help="broker URL (default: 127.0.0.1:8000)"),
     token: str = typer.Option(
         None,
         envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
         help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
     ),
+    run: Path = typer.Option(
+        None, "--run", help="an `echorl run` folder: its broker's URL and token (access.json)"
+    ),
+    limit: int = typer.Option(20, "--limit", min=0, help="samplers listed (alive first)"),
 ) -> None:
-    """Print a broker's samplers, versions, jobs, replay buffer and verifier failures."""
-    st = _admin_call(broker_url, token, lambda client: client.status())
+    """Print a broker's samplers (counted by state; the most relevant listed), versions,
+    jobs, replay buffer and verifier failures."""
+    if run is not None:
+        from echorl.launch.local import read_access
+
+        try:
+            access = read_access(run)
+        except ValueError as e:
+            console.print(Text(f"--run: {e}", style="red"))
+            raise typer.Exit(2) from None
+        broker_url, token = broker_url or access["url"], token or access["trainer_token"]
+    broker_url = broker_url or "http://127.0.0.1:8000"
+    st = _admin_call(broker_url, token, lambda client: client.status(limit))
     console.print(f"mode [bold]{st.mode}[/bold]   latest version [bold]{st.latest_version}[/bold]")
-    table = Table(title="samplers")
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(st.sampler_counts.items()))
+    console.print(f"samplers: {counts or 'none'}")
+    table = Table(title=f"samplers ({len(st.samplers)} of {sum(st.sampler_counts.values())})")
     table.add_column("id", no_wrap=True, min_width=16)  # whole: `echorl samplers revoke ID`
     for col in (
         "name",
@@ -774,6 +800,24 @@ def revoke(
     """Refuse one sampler from now on; its leased jobs go back to the queue."""
     returned = _admin_call(broker_url, token, lambda client: client.revoke(sampler_id))
     console.print(f"sampler {sampler_id} revoked; {returned} leased jobs returned to the queue")
+
+
+@samplers_app.command("enrol")
+def enrol(
+    name: str = typer.Argument(..., help="the operator: who runs the samplers, e.g. alice"),
+    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
+    token: str = typer.Option(
+        None,
+        envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
+        help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
+    ),
+) -> None:
+    """Issue an operator its own enrolment token (printed once). Its samplers register with it
+    as ECHORL_SAMPLER_TOKEN; what the audit finds of them, and what their hoarded leases
+    cost, stays with the operator whatever identities it registers."""
+    issued = _admin_call(broker_url, token, lambda client: client.enrol(name))
+    console.print(f"operator {name} enrolled; its samplers run with")
+    print(f"ECHORL_SAMPLER_TOKEN={issued}")
 
 
 def main() -> None:

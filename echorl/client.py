@@ -40,6 +40,8 @@ from echorl.protocol import (
     LeaseReply,
     LeaseRequest,
     LeaveReply,
+    OperatorReply,
+    OperatorRequest,
     PullReply,
     PullRequest,
     PushManyReply,
@@ -138,6 +140,12 @@ class BrokerClient:
             if r.status_code < 400 or r.status_code == 416:
                 return r
             reason = _reason(r)
+            if r.status_code == 429 and (wait := r.headers.get("retry-after", "")).isdigit():
+                # A rate limit that says when: wait that long (not a refusal), then again.
+                last = BrokerRejected(429, reason)
+                if self.cancel.wait(min(float(wait), 60.0)):
+                    break
+                continue
             if r.status_code < 500:
                 raise BrokerRejected(r.status_code, reason)
             last = BrokerUnavailable(r.status_code, reason)
@@ -170,6 +178,10 @@ class BrokerClient:
     def use_token(self, token: str) -> None:
         self.http.headers["Authorization"] = f"Bearer {token}"
         self.token = token
+
+    def enrol(self, name: str) -> str:
+        """The admin's (trainer token): an enrolment token of operator `name`'s own."""
+        return self._post("/v1/operators", OperatorRequest(name=name), OperatorReply).token
 
     def revoke(self, sampler_id: str) -> int:
         """The admin's (trainer token): refuse this sampler from now on; returns how many of its
@@ -285,8 +297,11 @@ class BrokerClient:
             time.sleep(self.backoff)
             return True
 
-    def status(self) -> StatusReply:
-        return StatusReply.model_validate_json(self._request("GET", "/v1/status").content)
+    def status(self, limit: int = 100) -> StatusReply:
+        """The swarm at a glance: every sampler counted by state, the `limit` most relevant
+        listed (alive first)."""
+        r = self._request("GET", "/v1/status", params={"limit": limit})
+        return StatusReply.model_validate_json(r.content)
 
     def run_info(self) -> RunInfo:
         """The run the broker serves: task, tokenizer fingerprint, protocol, batch shape."""

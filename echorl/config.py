@@ -244,12 +244,42 @@ class BrokerConfig(_Section):
     max_samplers: int = Field(
         256, ge=1, le=1_000_000, description="samplers registered and alive at once (429 beyond)"
     )
+    sampler_retention_s: float = Field(
+        600.0,
+        ge=0.0,
+        le=1e9,
+        description="samplers that left or were lost are forgotten this long after they were "
+        "last seen (quarantined and revoked ones are kept: their reasons stay on record)",
+    )
     max_leased_per_sampler: int | None = Field(
         None,
         ge=1,
         le=1_000_000,
         description="jobs one sampler may hold leased at once; unset = train.batch_prompts "
         "(a sampler that hoards leases and never pushes cannot take every admitted job)",
+    )
+    first_lease: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description="jobs a sampler that has delivered nothing may hold; each group it delivers "
+        "allows one more, up to max_leased_per_sampler (a lease that runs out unpushed starts "
+        "it over): a fresh identity cannot hoard",
+    )
+    newcomer_jobs: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="jobs all samplers that have delivered nothing may hold together, on top "
+        "of the admission budget (a swarm of fresh identities cannot take the trainer's jobs); "
+        "unset = max(1, train.batch_prompts // 4)",
+    )
+    registrations_per_minute: float = Field(
+        20.0,
+        ge=0.0,
+        le=1e6,
+        description="registrations per enrolment token and per client address (a burst of as "
+        "many, then this rate; 429 beyond); 0 = unlimited",
     )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest JSON body accepted")
     push_slots: int = Field(
@@ -464,7 +494,8 @@ class LaunchConfig(_Section):
         le=86400.0,
         description="stop the run, with the reason, when the trainer neither logs a step nor "
         "publishes a version for this long (counted from the launch; raise it when the first "
-        "evaluation of a big model takes longer)",
+        "evaluation of a big model takes longer), or when every group of every step was flat "
+        "(all rewards equal: nothing is learned) for this long",
     )
 
 

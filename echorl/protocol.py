@@ -80,9 +80,14 @@ class Forbidden(ProtocolError):
 
 
 class TooMany(ProtocolError):
-    """A limit on how many of something may exist at once, e.g. registered samplers (429)."""
+    """A limit on how many of something may exist at once, e.g. registered samplers, or how
+    often it may happen, e.g. registrations (429; `retry_after` seconds, when known)."""
 
     status = 429
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -358,6 +363,17 @@ class RegisterReply(_Wire):
     )
 
 
+class OperatorRequest(_Wire):
+    """The admin enrols an operator: one enrolment token for all of its samplers."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="who runs the samplers, e.g. alice")
+
+
+class OperatorReply(_Wire):
+    name: str
+    token: str = Field(description="the operator's enrolment token: shown once, kept as sha256")
+
+
 class RevokeReply(_Wire):
     returned: int  # leased jobs handed back to the queue
 
@@ -395,14 +411,16 @@ class SamplerStatus(_Wire):
 class StatusReply(_Wire):
     mode: Literal["sync", "async"]
     latest_version: int
-    samplers: list[SamplerStatus]
+    samplers: list[SamplerStatus]  # the most relevant (alive, then quarantined...): `limit`
+    sampler_counts: dict[str, int] = {}  # every sampler the broker knows, by state
     jobs: dict[str, int]  # by state
     rollouts: dict[str, int]  # by state
     ready_by_version: dict[int, int]
     verifier: dict[
         str, int
-    ] = {}  # completions scored 0 by kind (timeout, crash, memory); refused groups
+    ] = {}  # completions scored 0 by kind (timeout, crash, memory, error); refused groups
     verifier_busy: float = 0.0  # fraction of the verifier workers' time spent scoring
+    verifier_error: str | None = None  # the first exception a verifier raised, its last line
     audits: dict[str, int] = {}  # consumed groups' audits by state (open, leased, done, missed)
     auditors: int = 0  # auditors alive
 

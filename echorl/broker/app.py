@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from echorl.broker.routes import router
 from echorl.broker.state import BrokerState, SetupError, build_state
 from echorl.config import RunConfig
-from echorl.protocol import ProtocolError, Unauthorized
+from echorl.protocol import ProtocolError, TooMany, Unauthorized
 
 __all__ = ["SetupError", "create_app"]
 
@@ -66,6 +66,8 @@ async def expire_forever(st: BrokerState) -> None:
         returned, _ = await st.write(expire, time.time(), b.sampler_timeout, b.lease_seconds)
         if returned:
             st.jobs_bell.ring()
+        for sampler_id in await st.write(st.store.prune, time.time(), b.sampler_retention_s):
+            st.auth.forget(sampler_id)
         st.groups_bell.ring()
         st.audits_bell.ring()
 
@@ -135,6 +137,8 @@ def too_large(what: str, limit: int) -> JSONResponse:
 
 async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    if isinstance(exc, TooMany) and exc.retry_after is not None:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
     return JSONResponse({"detail": str(exc)}, status_code=exc.status, headers=headers)
 
 

@@ -4,8 +4,11 @@ Three kinds of caller:
 
 - the trainer (`broker.trainer_token` or $ECHORL_TRAINER_TOKEN): publish, pull, ack,
   rewind, status, revoke; it is also the admin and may call every route;
-- enrolment (`broker.sampler_token` or $ECHORL_SAMPLER_TOKEN, shared by the swarm): may
-  register a sampler and read the run, nothing else;
+- enrolment (`broker.sampler_token` or $ECHORL_SAMPLER_TOKEN, shared by the swarm, or an
+  operator's own token, issued by the admin: `echorl samplers enrol NAME`): may register a
+  sampler and read the run, nothing else. What the audit finds and what hoarding costs stay
+  with an operator, whatever identities it registers; the shared token has no such memory;
+  registrations are rate-limited per token and per client address (`RateLimit`);
 - a registered sampler: registration returns a credential of its own, and every later call
   carries it. It may act only as itself (a push, lease, heartbeat or leave naming another
   sampler is 403), and a revoked or departed sampler's credential is refused (401).
@@ -36,6 +39,7 @@ _bearer = HTTPBearer(auto_error=False)
 class Caller:
     role: str  # "trainer", "enrol" or "sampler"
     sampler_id: str | None = None  # the sampler whose credential this is
+    operator: str = ""  # enrolment with an operator's own token: its name ('' = shared)
 
     def acts_as(self, sampler_id: str) -> None:
         """A sampler may act only as itself (the trainer, as admin, as anyone)."""
@@ -55,7 +59,11 @@ def digest(token: str) -> str:
 
 class Auth:
     def __init__(
-        self, cfg: BrokerConfig, samplers: dict[str, str], revoked: set[str] = frozenset()
+        self,
+        cfg: BrokerConfig,
+        samplers: dict[str, str],
+        revoked: set[str] = frozenset(),
+        operators: dict[str, str] | None = None,
     ):
         tokens = {
             "trainer": cfg.trainer_token or os.environ.get("ECHORL_TRAINER_TOKEN"),
@@ -69,18 +77,21 @@ class Auth:
         self.tokens = {role: t for role, t in tokens.items() if t}  # never logged
         self.insecure = cfg.insecure_no_auth
         self.samplers = dict(samplers)  # credential hash -> sampler id
+        self.secrets = {sid: secret for secret, sid in self.samplers.items()}  # and back
         self.revoked = set(revoked)  # credential hashes the admin revoked
+        self.operators = dict(operators or {})  # enrolment token hash -> operator name
 
     def admit(self, sampler_id: str, secret: str) -> None:
         self.samplers[secret] = sampler_id
+        self.secrets[sampler_id] = secret
 
     def forget(self, sampler_id: str, revoked: bool = False) -> None:
-        """The sampler left or was revoked: its credential is refused from now on."""
-        for secret, sid in list(self.samplers.items()):
-            if sid == sampler_id:
-                del self.samplers[secret]
-                if revoked:
-                    self.revoked.add(secret)
+        """The sampler left, was revoked or forgotten: its credential is refused from now on."""
+        secret = self.secrets.pop(sampler_id, None)
+        if secret is not None:
+            self.samplers.pop(secret, None)
+            if revoked:
+                self.revoked.add(secret)
 
     def identify(self, token: str | None) -> Caller:
         """Who `token` belongs to; Unauthorized if nobody."""
@@ -92,6 +103,8 @@ class Auth:
             if hmac.compare_digest(token.encode(), known.encode()):
                 return Caller(role)
         secret = digest(token)
+        if operator := self.operators.get(secret):
+            return Caller("enrol", operator=operator)
         sampler_id = self.samplers.get(secret)  # a dict lookup of a hash: no timing leak
         if sampler_id is None:
             if secret in self.revoked:
@@ -120,3 +133,26 @@ ENROL = require("enrol")  # register
 SAMPLER = require("sampler")  # every call of a registered sampler
 ANYONE = require("enrol", "sampler")  # read the run
 TRAINER = require()
+
+
+class RateLimit:
+    """Token buckets by key: `per_minute` calls a minute after a burst of as many (0 = no
+    limit). Keys idle long enough to be full again are forgotten, so the table stays small."""
+
+    def __init__(self, per_minute: float):
+        self.rate, self.burst = per_minute / 60.0, max(1.0, per_minute)
+        self.buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, when)
+
+    def take(self, key: str, now: float) -> float:
+        """Take one call for `key`: 0, or the seconds until one is allowed (nothing taken)."""
+        if not self.rate:
+            return 0.0
+        tokens, when = self.buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - when) * self.rate)
+        if tokens < 1.0:
+            return (1.0 - tokens) / self.rate
+        self.buckets[key] = (tokens - 1.0, now)
+        if len(self.buckets) > 10_000:
+            full = self.burst / self.rate
+            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < full}
+        return 0.0

@@ -20,7 +20,7 @@ import logging
 import time
 from typing import TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, PlainTextResponse, Response
@@ -45,6 +45,8 @@ from echorl.protocol import (
     LeaseRequest,
     LeaveReply,
     NotFound,
+    OperatorReply,
+    OperatorRequest,
     ProtocolError,
     PullReply,
     PullRequest,
@@ -105,13 +107,25 @@ def run_info(st: BrokerState = State) -> RunInfo:
 # -- samplers ---------------------------------------------------------------------------------
 
 
-@router.post("/v1/samplers", dependencies=[ENROL])
-def register(info: SamplerInfo, st: BrokerState = State) -> RegisterReply:
+@router.post("/v1/samplers")
+def register(
+    info: SamplerInfo, request: Request, caller: Caller = ENROL, st: BrokerState = State
+) -> RegisterReply:
     st.check_peer("sampler", info.tokenizer, info.task)
+    address = request.client.host if request.client else ""
+    st.may_register(caller.operator, address)
     credential, secret = new_credential()
-    sampler_id = st.store.register(info, time.time(), secret, st.cfg.broker.max_samplers)
+    sampler_id = st.store.register(
+        info, time.time(), secret, st.cfg.broker.max_samplers, caller.operator, address
+    )
     st.auth.admit(sampler_id, secret)
-    log.info("sampler %s registered: %s (%s)", sampler_id, info.name, info.hardware)
+    log.info(
+        "sampler %s registered: %s (%s)%s",
+        sampler_id,
+        info.name,
+        info.hardware,
+        f" for operator {caller.operator}" if caller.operator else "",
+    )
     b = st.cfg.broker
     return RegisterReply(
         sampler_id=sampler_id,
@@ -145,6 +159,17 @@ def leave(
     return LeaveReply(returned=returned)
 
 
+@router.post("/v1/operators", dependencies=[TRAINER])
+def enrol(body: OperatorRequest, st: BrokerState = State) -> OperatorReply:
+    """The admin's: an enrolment token of `name`'s own (shown once). What the audit finds of
+    its samplers, and what their hoarding costs, stays with it across identities."""
+    token, secret = new_credential()
+    st.store.add_operator(body.name, secret, time.time())
+    st.auth.operators[secret] = body.name
+    log.info("operator %s enrolled", body.name)
+    return OperatorReply(name=body.name, token=token)
+
+
 @router.post("/v1/samplers/{sampler_id}/revoke", dependencies=[TRAINER])
 def revoke(sampler_id: str = SamplerId, st: BrokerState = State) -> RevokeReply:
     """The admin's: this sampler's credential is refused from now on, its leases returned."""
@@ -167,7 +192,14 @@ async def lease(
         now = time.time()
         st.store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s)
         return st.store.lease(
-            body.sampler_id, body.n, g, now, b.lease_seconds, admit=st.admission, max_held=max_held
+            body.sampler_id,
+            body.n,
+            g,
+            now,
+            b.lease_seconds,
+            admit=st.admission,
+            max_held=max_held,
+            probation=st.probation,
         )
 
     jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)
@@ -194,7 +226,7 @@ async def push(request: Request, caller: Caller = SAMPLER, st: BrokerState = Sta
     now = time.time()
     seed = await st.write(st.store.push, body.sampler_id, body.group, now)
     if seed is not None:
-        st.verify_later(seed, now, body.group)
+        st.verify_later(seed, now, body.group, body.sampler_id)
     return PushReply(stored=seed is not None)
 
 
@@ -216,7 +248,7 @@ async def push_many(
     outcome = await st.write(st.store.push_many, body.sampler_id, sized, now)
     for group, ok in zip(sized, outcome):
         if isinstance(ok, int):
-            st.verify_later(ok, now, group)
+            st.verify_later(ok, now, group, body.sampler_id)
         refused = ok if isinstance(ok, str) else None
         results[group.job_id] = PushResult(
             job_id=group.job_id, stored=isinstance(ok, int), refused=refused
@@ -380,13 +412,17 @@ def download(version: int = Version, st: BrokerState = State) -> FileResponse:
 
 
 @router.get("/v1/status", dependencies=[TRAINER])
-def status(st: BrokerState = State) -> StatusReply:
+def status(limit: int = Query(100, ge=0, le=100_000), st: BrokerState = State) -> StatusReply:
+    """The swarm at a glance: samplers counted by state and the `limit` most relevant listed
+    (alive first), versions, jobs, the buffer, the verifiers."""
     return StatusReply(
         mode=st.cfg.broker.mode,
         latest_version=st.store.latest_version(),
-        samplers=[SamplerStatus(**row) for row in st.store.samplers()],
+        samplers=[SamplerStatus(**row) for row in st.store.samplers(limit)],
+        sampler_counts=st.store.sampler_counts(),
         verifier=dict(st.verifier.failures) | {"refused": st.verifier.refused},
         verifier_busy=st.verifier.utilisation(),
+        verifier_error=st.verifier.first_error,
         auditors=st.auditors_alive(),
         **st.store.counts(),
     )

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from echorl.broker.auth import Auth
-from echorl.broker.store import Admission, BrokerStore, Quarantine
+from echorl.broker.auth import Auth, RateLimit
+from echorl.broker.store import Admission, BrokerStore, Probation, Quarantine
 from echorl.broker.weights import WeightStore
 from echorl.broker.writer import Writer
 from echorl.config import ModelConfig, RunConfig
@@ -29,6 +29,7 @@ from echorl.protocol import (
     ProtocolError,
     RunInfo,
     ScoredGroup,
+    TooMany,
     Unprocessable,
     WeightVersion,
 )
@@ -96,7 +97,8 @@ class Metrics:
         )
         self.verifier_failures = Counter(
             "broker_verifier_failures",
-            "completions scored 0 because the verifier overran its time or memory, or crashed",
+            "completions scored 0 because the verifier overran its time (timeout) or memory "
+            "(memory), crashed its process (crash) or raised (error)",
             ["task", "kind"],
             registry=self.registry,
         )
@@ -136,6 +138,25 @@ class BrokerState:
     writer: Writer
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
+    # Registrations per enrolment token and per client address (a sybil's identities).
+    registrations: RateLimit = field(default_factory=lambda: RateLimit(0))
+
+    @cached_property
+    def probation(self) -> Probation:
+        b, batch = self.cfg.broker, self.cfg.train.batch_prompts
+        return Probation(b.first_lease, b.newcomer_jobs or max(1, batch // 4))
+
+    def may_register(self, operator: str, address: str) -> None:
+        """TooMany (with when to try again) beyond `broker.registrations_per_minute` from
+        this enrolment token or this address."""
+        now = time.monotonic()
+        for key in (f"token:{operator}", f"address:{address}"):
+            if wait := self.registrations.take(key, now):
+                raise TooMany(
+                    f"too many registrations from this {key.split(':')[0]} "
+                    f"(broker.registrations_per_minute); try again in {wait:.0f} s",
+                    retry_after=wait,
+                )
 
     def auditors_alive(self) -> int:
         """Auditors heard from within `broker.sampler_timeout`."""
@@ -171,15 +192,19 @@ class BrokerState:
         """`fn(*args)` in the trainer's lane of the writer; returns once committed."""
         return await asyncio.wrap_future(self.writer.trainer.submit(fn, *args))
 
-    def verify_later(self, seed: int, created: float, group: ScoredGroup) -> None:
+    def verify_later(self, seed: int, created: float, group: ScoredGroup, who: str = "") -> None:
         """Score a stored group in the verifier pool: the sampler's claims are never trusted.
-        (Its token ids were checked against the vocabulary when it was stored.)"""
-        self.verifier.submit((group.job_id, created), seed, group.completions, self.on_scored)
+        (Its token ids were checked against the vocabulary when it was stored.) `who`: the
+        sampler that pushed it; the pool serves samplers in turn, so one whose groups hang
+        the verifier delays nobody else's."""
+        self.verifier.submit(
+            (group.job_id, created), seed, group.completions, self.on_scored, key=who
+        )
 
     def on_scored(self, pairs: list[tuple[tuple[int, float], Verdict]]) -> None:
-        """Verdicts of one worker batch (on the pool's thread), stored in one transaction in
-        the trainer's lane: what makes groups ready never queues behind the swarm's pushes,
-        and the pool goes on scoring meanwhile."""
+        """Verdicts scored together (on the pool's thread, as soon as they are), stored in one
+        transaction in the trainer's lane: what makes groups ready never queues behind the
+        swarm's pushes, and the pool goes on scoring meanwhile."""
         for (job_id, _), v in pairs:
             for kind, n in v.failed.items():
                 self.metrics.verifier_failures.labels(self.task.name, kind).inc(n)
@@ -201,6 +226,7 @@ class BrokerState:
         self.metrics.verifier_busy.set(self.verifier.utilisation())
         if ready:
             self.groups_bell.ring()
+            self.jobs_bell.ring()  # a sampler that delivered may hold more (probation)
         if refused:
             self.jobs_bell.ring()
 
@@ -346,7 +372,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
     try:
         store = open_store(cfg, task, codec)
         try:
-            auth = Auth(b, store.secrets(), store.revoked())
+            auth = Auth(b, store.secrets(), store.revoked(), store.operators())
         except ValueError as e:
             store.close()
             raise SetupError(str(e)) from None
@@ -375,6 +401,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
             pin_version=b.mode == "sync",
         ),
         metrics=metrics,
+        registrations=RateLimit(b.registrations_per_minute),
         jobs_bell=Bell(),
         groups_bell=Bell(),
         audits_bell=Bell(),

@@ -70,12 +70,23 @@ CREATE TABLE IF NOT EXISTS samplers (
     audit_abs REAL NOT NULL DEFAULT 0,
     audit_kl REAL NOT NULL DEFAULT 0, audit_beyond REAL NOT NULL DEFAULT 0, reason TEXT,
     state TEXT NOT NULL
-        CHECK (state IN ('alive', 'lost', 'left', 'revoked', 'quarantined')));
+        CHECK (state IN ('alive', 'lost', 'left', 'revoked', 'quarantined')),
+    operator TEXT NOT NULL DEFAULT '', address TEXT NOT NULL DEFAULT '',
+    delivered INTEGER NOT NULL DEFAULT 0);
+-- An operator enrols samplers with a token of its own (the admin issues it): what the audit
+-- finds and what a hoarding lease costs stay with the operator whatever identities it makes.
+CREATE TABLE IF NOT EXISTS operators (
+    name TEXT PRIMARY KEY, secret TEXT NOT NULL UNIQUE, created_at REAL NOT NULL,
+    barred_until REAL NOT NULL DEFAULT 0, audit_total INTEGER NOT NULL DEFAULT 0,
+    audit_tokens REAL NOT NULL DEFAULT 0, audit_abs REAL NOT NULL DEFAULT 0,
+    audit_kl REAL NOT NULL DEFAULT 0, audit_beyond REAL NOT NULL DEFAULT 0, reason TEXT,
+    state TEXT NOT NULL CHECK (state IN ('active', 'quarantined', 'revoked')));
 CREATE TABLE IF NOT EXISTS jobs (
     job_id INTEGER PRIMARY KEY, task TEXT NOT NULL, seed INTEGER NOT NULL, prompt TEXT NOT NULL,
     prompt_ids TEXT NOT NULL, group_size INTEGER NOT NULL, required_version INTEGER,
     state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'done', 'parked')),
-    lease_owner TEXT, lease_deadline REAL, attempts INTEGER NOT NULL DEFAULT 0);
+    lease_owner TEXT, lease_deadline REAL, attempts INTEGER NOT NULL DEFAULT 0,
+    extra INTEGER NOT NULL DEFAULT 0);  -- leased to a newcomer, beyond the budget
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, job_id);
 CREATE TABLE IF NOT EXISTS rollouts (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), version INTEGER NOT NULL,
@@ -89,6 +100,14 @@ CREATE TABLE IF NOT EXISTS audits (
     state TEXT NOT NULL CHECK (state IN ('open', 'leased', 'done', 'missed')));
 CREATE INDEX IF NOT EXISTS audits_by_state ON audits (state, job_id);
 """
+
+# Columns added since a data dir could first have been made: (table, column, definition).
+MIGRATIONS = (
+    ("samplers", "operator", "TEXT NOT NULL DEFAULT ''"),
+    ("samplers", "address", "TEXT NOT NULL DEFAULT ''"),
+    ("samplers", "delivered", "INTEGER NOT NULL DEFAULT 0"),
+    ("jobs", "extra", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 # A job tried again: an attempt counted, parked after `max_attempts` (the one parameter).
 RETRY = (
@@ -161,6 +180,16 @@ class Admission:
     pin_version: bool  # sync: every job carries required_version = the latest version
 
 
+@dataclass(frozen=True)
+class Probation:
+    """What a sampler that has not delivered yet may lease: `first` jobs, one more per group
+    it delivers; all such newcomers together hold at most `newcomers` jobs, beyond the
+    admission budget, so fresh identities that never push cannot stall the trainer."""
+
+    first: int = 1
+    newcomers: int = 1
+
+
 ProblemFn = Callable[[int], Problem]  # job seed -> problem (the task's own `problem`)
 EncodeFn = Callable[[str], list[int]]  # prompt text -> ids in the run's tokenizer and format
 
@@ -190,6 +219,9 @@ class BrokerStore:
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        for table, column, definition in MIGRATIONS:
+            if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         self._tx(
             lambda c: c.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1)"
@@ -268,13 +300,27 @@ class BrokerStore:
     # -- samplers -----------------------------------------------------------------------------
 
     def register(
-        self, info: SamplerInfo, now: float, secret: str = "", max_alive: int | None = None
+        self,
+        info: SamplerInfo,
+        now: float,
+        secret: str = "",
+        max_alive: int | None = None,
+        operator: str = "",
+        address: str = "",
     ) -> str:
         """A new sampler's id. `secret`: the sha256 of its credential (what it authenticates
-        with from now on). Refused (TooMany) when `max_alive` samplers are alive already."""
+        with from now on); `operator`: whose enrolment token registered it ('' = the shared
+        one). Refused (TooMany) when `max_alive` samplers are alive already, and (Forbidden)
+        for an operator the audit quarantined or the admin revoked."""
         sampler_id = uuid.uuid4().hex[:16]
 
         def fn(c):
+            if operator:
+                state, reason = c.execute(
+                    "SELECT state, reason FROM operators WHERE name = ?", (operator,)
+                ).fetchone()
+                if state != "active":
+                    raise Forbidden(f"operator {operator} is {state}: {reason}")
             alive = c.execute("SELECT COUNT(*) FROM samplers WHERE state = 'alive'").fetchone()[0]
             if max_alive is not None and alive >= max_alive:
                 raise TooMany(
@@ -282,22 +328,34 @@ class BrokerStore:
                     "try again later"
                 )
             c.execute(
-                "INSERT INTO samplers VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, 0, 0, 0, 0, 0, 0, NULL, 'alive')",
-                (
-                    sampler_id,
-                    info.name,
-                    info.hardware,
-                    info.backend,
-                    info.max_batch,
-                    now,
-                    now,
-                    secret,
-                ),
+                "INSERT INTO samplers (id, name, hardware, backend, max_batch, registered_at, "
+                "last_seen, secret, barred_until, state, operator, address) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 'alive', ?, ?)",
+                (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now)
+                + (secret, operator, address),
             )
 
         self._tx(fn)
         return sampler_id
+
+    def add_operator(self, name: str, secret: str, now: float) -> None:
+        """A new operator, enrolling with the token whose sha256 is `secret` (ProtocolError:
+        the name is taken)."""
+
+        def fn(c):
+            if c.execute("SELECT 1 FROM operators WHERE name = ?", (name,)).fetchone():
+                raise ProtocolError(f"operator {name!r} exists already")
+            c.execute(
+                "INSERT INTO operators (name, secret, created_at, state) "
+                "VALUES (?, ?, ?, 'active')",
+                (name, secret, now),
+            )
+
+        self._tx(fn)
+
+    def operators(self) -> dict[str, str]:
+        """Enrolment token hash -> operator name, of every operator."""
+        return dict(self._tx(lambda c: c.execute("SELECT secret, name FROM operators").fetchall()))
 
     def secrets(self) -> dict[str, str]:
         """Credential hash -> sampler id, of every sampler that may still call (not left, not
@@ -364,16 +422,23 @@ class BrokerStore:
     def expire(self, now: float, sampler_timeout: float, bar_s: float = 0.0) -> tuple[int, int]:
         """Mark silent samplers lost and return expired leases to the queue. A sampler whose
         lease ran out may lease nothing for `bar_s` (one that hoards leases and never pushes
-        holds jobs one lease period, then waits one). Returns (leases returned, samplers lost)."""
+        holds jobs one lease period, then waits one), and starts its probation over; so do
+        all samplers of its operator (a new identity escapes neither). Returns (leases
+        returned, samplers lost)."""
 
         def fn(c):
             lost = c.execute(
                 "UPDATE samplers SET state = 'lost' WHERE state = 'alive' AND last_seen < ?",
                 (now - sampler_timeout,),
             ).rowcount
+            expired = "SELECT lease_owner FROM jobs WHERE state = 'leased' AND lease_deadline < ?"
             c.execute(
-                "UPDATE samplers SET barred_until = ? WHERE id IN (SELECT lease_owner FROM jobs "
-                "WHERE state = 'leased' AND lease_deadline < ?)",
+                f"UPDATE operators SET barred_until = ? WHERE name IN (SELECT operator FROM "
+                f"samplers WHERE operator != '' AND id IN ({expired}))",
+                (now + bar_s, now),
+            )
+            c.execute(
+                f"UPDATE samplers SET barred_until = ?, delivered = 0 WHERE id IN ({expired})",
                 (now + bar_s, now),
             )
             returned = c.execute(
@@ -388,6 +453,21 @@ class BrokerStore:
                 (now,),
             )
             return returned, lost
+
+        return self._tx(fn)
+
+    def prune(self, now: float, retention_s: float) -> list[str]:
+        """Forget samplers that left or were lost more than `retention_s` ago (their rows
+        would only grow: a swarm that comes and goes, or a flood of register-and-leave);
+        quarantined and revoked ones stay. Returns the ids forgotten."""
+
+        def fn(c):
+            gone = c.execute(
+                "DELETE FROM samplers WHERE state IN ('left', 'lost') AND last_seen < ? "
+                "RETURNING id",
+                (now - retention_s,),
+            ).fetchall()
+            return [r[0] for r in gone]
 
         return self._tx(fn)
 
@@ -449,36 +529,50 @@ class BrokerStore:
         required_version: int | None = None,
         admit: Admission | None = None,
         max_held: int | None = None,
+        probation: Probation | None = None,
     ) -> list[Job]:
         """Up to `n` jobs for `sampler_id`: queued ones first, then new ones from the cursor.
         With `admit`, no more than the admission budget, read in the same transaction; with
         `max_held`, no more than that many leased to this sampler at once (one that hoards
-        leases and never pushes cannot take every admitted job)."""
+        leases and never pushes cannot take every admitted job); with `probation`, fewer
+        while it has delivered little (`Probation`)."""
 
         def fn(c):
             nonlocal n, required_version
             row = c.execute(
-                "SELECT state, barred_until FROM samplers WHERE id = ?", (sampler_id,)
+                "SELECT s.state, MAX(s.barred_until, COALESCE(o.barred_until, 0)), s.delivered "
+                "FROM samplers s LEFT JOIN operators o ON o.name = s.operator WHERE s.id = ?",
+                (sampler_id,),
             ).fetchone()
             if row is not None and row[0] == "quarantined":
                 raise _quarantined(c, sampler_id)
             if row is None or row[0] != "alive":
                 raise ProtocolError(f"sampler {sampler_id!r} is not registered and alive")
-            if row[1] > now:  # its last lease ran out unpushed: it waits one lease period
+            if row[1] > now:  # a lease of it (or its operator's) ran out unpushed: it waits
                 return []
+            held = c.execute(
+                "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND lease_owner = ?",
+                (sampler_id,),
+            ).fetchone()[0]
+            newcomer = probation is not None and row[2] == 0
             if max_held is not None:
-                held = c.execute(
-                    "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND lease_owner = ?",
-                    (sampler_id,),
-                ).fetchone()[0]
                 n = min(n, max_held - held)
+            if probation is not None:
+                n = min(n, probation.first + row[2] - held)
             if admit is not None:
                 latest = c.execute(
                     "SELECT value FROM meta WHERE key = 'latest_version'"
                 ).fetchone()[0]
-                n = min(n, self._budget(c, latest, admit))
+                # A newcomer's jobs are extra: all of them together are few, and the budget
+                # stays the trainer's whatever fresh identities do with them.
+                if newcomer and latest >= 0:
+                    n = min(n, probation.newcomers - self._newcomers_held(c))
+                else:
+                    n = min(n, self._budget(c, latest, admit))
                 if admit.pin_version:
                     required_version = latest
+            elif newcomer:
+                n = min(n, probation.newcomers - self._newcomers_held(c))
             if n <= 0:
                 return []
             queued = [
@@ -490,7 +584,7 @@ class BrokerStore:
             fresh = self._create_jobs(c, n - len(queued), group_size)
             deadline = now + lease_seconds
             return [
-                self._lease_one(c, job_id, sampler_id, deadline, required_version)
+                self._lease_one(c, job_id, sampler_id, deadline, required_version, newcomer)
                 for job_id in queued + fresh
             ]
 
@@ -527,12 +621,17 @@ class BrokerStore:
 
     @staticmethod
     def _lease_one(
-        c, job_id: int, sampler_id: str, deadline: float, required_version: int | None
+        c,
+        job_id: int,
+        sampler_id: str,
+        deadline: float,
+        required_version: int | None,
+        extra: bool = False,
     ) -> Job:
         c.execute(
             "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_deadline = ?, "
-            "required_version = ? WHERE job_id = ?",
-            (sampler_id, deadline, required_version, job_id),
+            "required_version = ?, extra = ? WHERE job_id = ?",
+            (sampler_id, deadline, required_version, int(extra), job_id),
         )
         task, seed, prompt, prompt_ids, g = c.execute(
             "SELECT task, seed, prompt, prompt_ids, group_size FROM jobs WHERE job_id = ?",
@@ -550,13 +649,21 @@ class BrokerStore:
         )
 
     @staticmethod
+    def _newcomers_held(c) -> int:
+        """Jobs leased to samplers that had delivered nothing yet (beyond the budget)."""
+        return c.execute(
+            "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND extra = 1"
+        ).fetchone()[0]
+
+    @staticmethod
     def _budget(c, latest: int, admit: Admission) -> int:
         """Jobs that may still be leased: what steps up to `latest + max_staleness` can consume,
-        less what is already out (leased, or a group ready, pulled or consumed)."""
+        less what is already out (leased, but for newcomers' extra jobs, or a group ready,
+        pulled or consumed)."""
         if latest < 0:
             return 0
         out = c.execute(
-            "SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'leased') + "
+            "SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND extra = 0) + "
             "(SELECT COUNT(*) FROM rollouts WHERE state IN ('scoring', 'ready', 'pulled')) + "
             "(SELECT value FROM meta WHERE key = 'consumed')"
         ).fetchone()[0]
@@ -653,12 +760,17 @@ class BrokerStore:
                             f"UPDATE jobs SET {RETRY} WHERE job_id = ?", (self.max_attempts, job_id)
                         )
                     refused += gone
-                else:
-                    ready += c.execute(
-                        "UPDATE rollouts SET state = 'ready', rewards = ? WHERE job_id = ? "
-                        "AND state = 'scoring' AND created_at = ?",
-                        (json.dumps(rewards), job_id, created),
-                    ).rowcount
+                elif c.execute(
+                    "UPDATE rollouts SET state = 'ready', rewards = ? WHERE job_id = ? "
+                    "AND state = 'scoring' AND created_at = ?",
+                    (json.dumps(rewards), job_id, created),
+                ).rowcount:
+                    ready += 1
+                    c.execute(  # a delivered group: its sampler may hold one more job
+                        "UPDATE samplers SET delivered = delivered + 1 WHERE id = "
+                        "(SELECT sampler_id FROM rollouts WHERE job_id = ?)",
+                        (job_id,),
+                    )
             return ready, refused
 
         return self._tx(fn)
@@ -781,7 +893,9 @@ class BrokerStore:
             "audits": dict(q("SELECT state, COUNT(*) FROM audits GROUP BY state").fetchall()),
         }
 
-    def samplers(self) -> list[dict]:
+    def samplers(self, limit: int = 1_000_000) -> list[dict]:
+        """The `limit` samplers most worth showing: the alive ones, then the quarantined and
+        revoked (with their reasons), then the most recently seen."""
         cols = (
             "id",
             "name",
@@ -799,8 +913,24 @@ class BrokerStore:
             "audit_beyond / MAX(audit_tokens, 1)",
         )
         names = (*cols[:-4], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
-        rows = self._tx(lambda c: c.execute(f"SELECT {', '.join(cols)} FROM samplers").fetchall())
+        rank = "CASE state WHEN 'alive' THEN 0 WHEN 'quarantined' THEN 1 WHEN 'revoked' THEN 1 ELSE 2 END"
+        rows = self._tx(
+            lambda c: c.execute(
+                f"SELECT {', '.join(cols)} FROM samplers ORDER BY {rank}, last_seen DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        )
         return [dict(zip(names, r)) for r in rows]
+
+    def sampler_counts(self) -> dict[str, int]:
+        """Samplers by state, all of them."""
+        return dict(
+            self._tx(
+                lambda c: c.execute(
+                    "SELECT state, COUNT(*) FROM samplers GROUP BY state"
+                ).fetchall()
+            )
+        )
 
     def audit(
         self, audits: list[GroupAudit], policy: Quarantine, step: int
@@ -874,9 +1004,50 @@ class BrokerStore:
                 if reason and state not in ("quarantined", "revoked"):
                     self._quarantine(c, sid, reason)
                     quarantined.append((sid, reason))
-            return quarantined
+            return quarantined + self._judge_operators(c, per, policy)
 
         return self._tx(fn)
+
+    def _judge_operators(self, c, per: dict, policy: Quarantine) -> list[tuple[str, str]]:
+        """The audit's excess of each sampler (`per`: id -> tokens and summed excesses), also
+        summed over its operator's samplers, old and new: an operator over the bounds is
+        quarantined with every sampler it has, and may register none (a liar gains nothing
+        by changing identity before its own audited tokens add up)."""
+        by_operator: dict[str, list[float]] = {}
+        for sid, figures in per.items():
+            row = c.execute("SELECT operator FROM samplers WHERE id = ?", (sid,)).fetchone()
+            if row and row[0]:
+                acc = by_operator.setdefault(row[0], [0.0] * 4)
+                acc[:] = [a + f for a, f in zip(acc, figures)]
+        quarantined = []
+        d = policy.decay
+        for name, (tokens, abs_, kl, beyond) in by_operator.items():
+            c.execute(
+                "UPDATE operators SET audit_total = audit_total + ?, "
+                "audit_tokens = audit_tokens * ? + ?, audit_abs = audit_abs * ? + ?, "
+                "audit_kl = audit_kl * ? + ?, audit_beyond = audit_beyond * ? + ? WHERE name = ?",
+                (tokens, d, tokens, d, abs_, d, kl, d, beyond, name),
+            )
+            state, total, *sums = c.execute(
+                "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, audit_beyond "
+                "FROM operators WHERE name = ?",
+                (name,),
+            ).fetchone()
+            reason = policy.verdict(total, *sums)
+            if not reason or state != "active":
+                continue
+            reason = f"operator {name}: {reason}"
+            c.execute(
+                "UPDATE operators SET state = 'quarantined', reason = ? WHERE name = ?",
+                (reason, name),
+            )
+            for (sid,) in c.execute(
+                "SELECT id FROM samplers WHERE operator = ? AND state IN ('alive', 'lost')",
+                (name,),
+            ).fetchall():
+                self._quarantine(c, sid, reason)
+                quarantined.append((sid, reason))
+        return quarantined
 
     @staticmethod
     def _return_leases(c, sampler_id: str) -> int:

@@ -8,7 +8,8 @@ writes the resolved config to `OUT/config.yaml`, and starts `echorl broker`,
 `launch.samplers` x `echorl sampler` and `echorl trainer` with that one file,
 exactly as they would be started by hand on separate machines. Each child logs
 to `OUT/logs/ROLE.log` (appended to across restarts). While the trainer runs, a
-live table shows step, reward, version, staleness, samplers alive and tokens/s;
+live table shows step, reward, version, staleness, samplers alive and tokens/s (where
+the output is no terminal, a plain line every 15 s: step, reward, version, samplers, ETA);
 Ctrl-C (or SIGTERM) stops every child cleanly (the trainer checkpoints first).
 
 The launcher supervises: a child that dies is started again after a backoff (1,
@@ -17,7 +18,9 @@ The launcher supervises: a child that dies is started again after a backoff (1,
 broker offers again what it trained on since). One that dies
 `launch.max_restarts` times ends the run, and so does a run with no trainer
 record and no new version for `launch.stall_timeout_s`, with a report of each
-process's last complaint: it never sits at step 0. `--resume` keeps the port.
+process's last complaint: it never sits at step 0. A trainer that gave up because every
+group was flat (nothing is learned; its last metrics record says so) is not restarted:
+the run ends with its reason. `--resume` keeps the port.
 At the end: `OUT/metrics.jsonl`, the PNG plots, and a summary table.
 
 The launcher only starts, watches and stops processes; it knows nothing of
@@ -26,6 +29,7 @@ the protocol.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -34,6 +38,8 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +51,8 @@ from rich.table import Table
 
 from echorl.config import RunConfig
 from echorl.metrics import MetricsTail, plot_run, read_metrics
+from echorl.progress import LineSteps, draws_live
+from echorl.trainer.flat import FlatStreak, is_flat
 
 
 @dataclass
@@ -223,6 +231,37 @@ def resolved_config(cfg: RunConfig, out: Path, model_dir: Path, port: int) -> Pa
     return path
 
 
+ACCESS = "access.json"  # in a run's folder: where its broker is and its tokens (mode 0600)
+
+
+def write_access(out: Path, url: str, env: dict[str, str]) -> None:
+    """The broker's URL and this launch's tokens, readable by the owner alone: `echorl status
+    --run OUT` reads them, and a sampler started by hand takes its token from there."""
+    access = {
+        "url": url,
+        "trainer_token": env["ECHORL_TRAINER_TOKEN"],
+        "sampler_token": env["ECHORL_SAMPLER_TOKEN"],
+    }
+    path = out / ACCESS
+    path.unlink(missing_ok=True)  # made anew with mode 0600, whatever an older one had
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(access, f, indent=1)
+
+
+def read_access(out: Path) -> dict[str, str]:
+    """What `write_access` wrote for the run at `out`; ValueError says what is missing."""
+    path = out / ACCESS
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path} does not exist: is {out} the folder of an `echorl run`?"
+        ) from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read: {e}") from None
+
+
 def launch(
     cfg: RunConfig, model_dir: Path, console: Console, resume: bool = False
 ) -> tuple[int, Path]:
@@ -249,6 +288,7 @@ def launch(
         own = os.sched_getaffinity(0)
         os.sched_setaffinity(0, other_cores)  # the launcher's own watching, too
     swarm = Swarm(out, f"http://127.0.0.1:{port}", env)
+    write_access(out, swarm.url, env)
     stop = []
     handler = signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
     try:
@@ -309,32 +349,57 @@ def launch(
 
 
 def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
-    """Refresh the live view and supervise the children until the trainer finishes (0).
+    """Show the view (`shown`) and supervise the children until the trainer finishes (0).
     A child that dies is started again after a backoff (the trainer with --resume); one
-    that dies `launch.max_restarts` times, or a run with no progress for
-    `launch.stall_timeout_s`, ends the run with the reason (1)."""
+    that dies `launch.max_restarts` times, a trainer that gave up (every group flat: its
+    last metrics record says why), or a run with no progress for `launch.stall_timeout_s`,
+    ends the run with the reason (1). The view's warnings (flat steps) are printed."""
     view = LiveView(swarm, cfg)
-    with Live(console=console, refresh_per_second=2) as live:
+    with shown(console, view) as show:
         while True:
             if stop:
                 return 143
             trainer = swarm.roles["trainer"]
-            if not trainer.alive and trainer.proc.returncode == 0 and not trainer.due:
+            dead = not trainer.alive  # seen before the metrics are read: its last record is in
+            view.update()
+            for warning in view.take_warnings():
+                console.print(warning, style="yellow", markup=False)
+            if dead and trainer.proc.returncode == 1 and view.gave_up:  # a restart cannot help
+                console.print(f"the trainer stops: {view.gave_up}", style="red", markup=False)
+                return 1
+            if dead and trainer.proc.returncode == 0 and not trainer.due:
                 break
             for role in swarm.roles.values():
                 if role.retired or role.alive:
                     continue
                 if (code := supervise(swarm, role, cfg, console)) is not None:
                     return code
-            live.update(view.table())
+            show()
             stalled = time.monotonic() - view.progressed
             if stalled > cfg.launch.stall_timeout_s:
                 console.print(stall_report(swarm, view, stalled), style="red", markup=False)
                 return 1
             time.sleep(0.5)
-        live.update(view.table())
+        show()
     console.print()
     return 0
+
+
+RUN_LINE_EVERY_S = 15.0  # a plain line this often where there is no live table
+
+
+@contextmanager
+def shown(console: Console, view: LiveView) -> Iterator[Callable[[], None]]:
+    """How `watch` shows the view: yields a function that redraws the live table where rich
+    draws one, and elsewhere (CI, nohup, a file) prints a plain line at most every
+    `RUN_LINE_EVERY_S`: `echorl run: step 12/40 reward 0.512 version 12 samplers 2/2 eta ...`."""
+    if draws_live(console):
+        with Live(console=console, refresh_per_second=2) as live:
+            yield lambda: live.update(view.table())
+        return
+    total = view.cfg.train.steps
+    with LineSteps(console, "echorl run", total, None, RUN_LINE_EVERY_S) as lines:
+        yield lambda: lines.update(view.step, view.note())
 
 
 REFUSED = 2  # `echorl sampler`'s (and auditor's) exit code when the broker refuses it (403, 401, 409 at start)
@@ -379,7 +444,8 @@ def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int
 
 class LiveView:
     """The live table: the trainer's newest metrics (followed, never re-read) and, every few
-    seconds, the broker's view of the swarm (a status call scans the broker's tables)."""
+    seconds, the broker's view of the swarm (a status call scans the broker's tables).
+    From the metrics, too: warnings of flat steps, and why the trainer gave up, if it did."""
 
     STATUS_EVERY_S = 2.0
 
@@ -391,17 +457,23 @@ class LiveView:
         self.alive, self.version, self.speed = [], "?", 0.0
         self.asked = float("-inf")
         self.progressed = time.monotonic()  # the last trainer record or published version
+        self.flat = FlatStreak()  # warns only: giving up is the trainer's to decide
+        self.warnings: list[str] = []  # not yet printed
+        self.gave_up: str | None = None  # the trainer's reason, from its last record
+
+    @property
+    def step(self) -> int:
+        return self.last.get("step", 0)
 
     def update(self) -> None:
+        """Read the metrics appended since the last call and, when due, the broker's status."""
         records = self.tail.read()
         if records:
             self.progressed = time.monotonic()
-        new = [r for r in records if "reward/mean" in r]
         if self.tail.restarted:
-            self.last, self.recent = {}, deque(maxlen=10)
-        for r in new:
-            self.last = r
-            self.recent.append(r["reward/mean"])
+            self.last, self.recent, self.flat = {}, deque(maxlen=10), FlatStreak()
+        for r in records:
+            self.take(r)
         if time.monotonic() - self.asked < self.STATUS_EVERY_S:
             return
         self.asked = time.monotonic()
@@ -420,8 +492,32 @@ class LiveView:
         except (httpx.HTTPError, ValueError, KeyError):
             self.alive, self.version, self.speed = [], "?", 0.0
 
+    def take(self, record: dict) -> None:
+        """One metrics record: a step's (the table's figures, the flat streak) or the
+        trainer's last words (`trainer/gave_up`)."""
+        if "trainer/gave_up" in record:
+            self.gave_up = record["trainer/gave_up"]
+        if "reward/mean" not in record:
+            return
+        self.last, self.gave_up = record, None  # a step after it: the trainer went on
+        self.recent.append(record["reward/mean"])
+        if warning := self.flat.see(record):
+            self.warnings.append(f"step {record['step']}: {warning}")
+
+    def take_warnings(self) -> list[str]:
+        said, self.warnings = self.warnings, []
+        return said
+
+    def note(self) -> str:
+        """The table's main figures, for a plain line."""
+        recent = self.recent
+        reward = f"{sum(recent) / len(recent):.3f}" if recent else "-"
+        return (
+            f"reward {reward} version {self.version} "
+            f"samplers {len(self.alive)}/{len(self.swarm.samplers)} {self.speed:.0f} tok/s"
+        )
+
     def table(self) -> Table:
-        self.update()
         last, recent, cfg = self.last, self.recent, self.cfg
         table = Table(title=f"echorl run ({cfg.broker.mode}, {cfg.task.name})")
         for col in (
@@ -471,7 +567,8 @@ def summarise(out: Path, console: Console) -> dict:
     train = [r for r in records if "reward/mean" in r]
     evals = [r for r in records if "eval/accuracy" in r]
     plots = plot_run(records, out, "decoupled GRPO")
-    summary: dict = {"steps": len(train)}
+    # A flat step (every group's rewards equal) has no advantage: it taught nothing.
+    summary: dict = {"steps": len(train), "flat_steps": sum(map(is_flat, train))}
     if train:
         k = max(1, min(10, len(train) // 2))
         wall = train[-1]["trainer/wall_s"]
@@ -501,5 +598,10 @@ def summarise(out: Path, console: Console) -> dict:
     for key, value in summary.items():
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
+    if summary["flat_steps"]:
+        console.print(
+            f"[yellow]{summary['flat_steps']} of {len(train)} steps had every group flat (all "
+            "rewards equal): they taught the policy nothing"
+        )
     console.print("plots: " + ", ".join(str(p) for p in plots))
     return summary

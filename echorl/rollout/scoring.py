@@ -40,13 +40,16 @@ def score_completion(
     codec: RunTokenizer,
     format_reward: float = 0.0,
     k: int = 0,
+    strict: bool = False,
 ) -> float:
-    """Completion `k`'s reward: the verifier on its text, or its episode's replayed return."""
+    """Completion `k`'s reward: the verifier on its text, or its episode's replayed return.
+    `strict`: the verifier's exceptions propagate (the verifier pool counts them) rather than
+    scoring 0 with a log line."""
     if is_environment(task):
         return replay_episode(task, problem.seed, c, codec, k)
     if c.turns is not None:  # the broker refuses these on arrival; never score them
         raise ProtocolError(f"completions[{k}]: turns on single-turn task {task.name}")
-    return reward(task, problem, codec.decode(c.token_ids), format_reward)
+    return reward(task, problem, codec.decode(c.token_ids), format_reward, strict)
 
 
 def replay_episode(

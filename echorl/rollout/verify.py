@@ -3,59 +3,68 @@
 A verifier is the task's own code run on untrusted text: math-verify on a policy's
 answer, a user's Python, an environment's replay or its next turn. One that never returns, or that
 holds the interpreter lock in a big-integer loop, must stall neither the broker's
-HTTP server nor a sampler nor an evaluation. `VerifierPool` runs the scoring in
-`workers` spawned processes (no torch, no server: the task and the tokenizer only).
-Each worker may grow by `memory_mb` of address space; each completion gets
-`time_limit_s` of wall clock. A worker past its time is killed (SIGKILL) and
-replaced; that completion scores 0 and the rest of its batch is scored again by
-the new worker. A verifier that crashes its process or runs out of memory scores 0
-the same way. Failures are counted by kind (`timeout`, `crash`, `memory`).
+HTTP server nor a sampler nor an evaluation, nor another sampler's groups. `VerifierPool`
+runs the scoring in `workers` spawned processes (no torch, no server: the task and the
+tokenizer only), with one more started and idle as a spare. Each worker may grow by
+`memory_mb` of address space; each completion gets `time_limit_s` of wall clock. A worker
+past its time is killed (SIGKILL) and the spare takes its place at once (starting one takes
+seconds: spawn, import the task; a new spare starts meanwhile); that completion scores 0. A
+verifier that crashes its process or runs out of memory scores 0 the same way, and so does
+one that raises (a bug in the verifier: the first traceback's last line is kept as
+`first_error`). Failures are counted by kind (`timeout`, `crash`, `memory`, `error`).
+
+No group waits for another submitter's: groups queue per `key` (the broker's: the sampler
+that pushed them) and the workers serve the keys in turn, a batch holding one key's groups
+only. A worker sends each group's verdict the moment it is scored. When it gives up on a
+call, the rest of its batch (that group included, the call given up on scored 0) queues
+again, and its key's turn comes after every other key's. So one submitter's pile of groups
+that hang the verifier delays another's group by the calls already running (one time limit
+at most), not by the pile.
 
     pool = VerifierPool(VerifierSpec("math_word", codec), workers=2)
     verdicts = pool.score([(problem_seed, completions), ...])      # blocking, in order
-    pool.submit(tag, problem_seed, completions, done)               # the broker's way
+    pool.submit(tag, problem_seed, completions, done, key=sampler)  # the broker's way
     steps = pool.step([(key, problem_seed, actions), ...])          # environments, live
-    pool.close()
+    pool.close()                                                    # kills the workers now
 
-`done(pairs)` is called on the pool's thread with `[(tag, Verdict), ...]`: every item
-of one worker batch that named the same `done`, so a caller can store them in one
-transaction.
+`done(pairs)` is called on the pool's thread with `[(tag, Verdict), ...]`: the groups that
+named the same `done` and were scored by the time their worker's verdicts were read, so a
+caller can store them in one transaction. A group not delivered when `close` is called never
+is (the broker scores its stored groups again when it starts).
 
 `step` plays a multi-turn environment's games one turn further, each move bounded the
 same way: a game whose move overruns or crashes ends there with return 0. A worker keeps
 the games it is playing; one that has not seen a game (a fresh worker after a kill, or
 another worker of the pool) replays its earlier actions first, which an episode's being
 a pure function of its seed and actions makes exact.
+
+What runs inside a worker process is in `verify_worker.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import math
 import multiprocessing as mp
 import os
-import queue
-import resource
-import signal
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
 from echorl.config import RunConfig
 from echorl.models.tokenizer import RunTokenizer
-from echorl.protocol import MAX_GROUP_SIZE, Completion, ProtocolError, Turn
+from echorl.protocol import Completion
+from echorl.rollout.verify_worker import Verdict, Wire, Work, serve
 
 log = logging.getLogger("echorl.verify")
 
 POLL_S = 0.02  # how often a waiting feeder checks its worker's clock
-BATCH = 64  # groups per worker call: one round trip scores many
-GAMES_HELD = 4096  # live games a worker keeps; one forgotten is replayed when asked again
+BATCH = 64  # groups per worker call at most: under load, one round trip scores many
 START_TIMEOUT_S = 120.0  # a worker that is not ready by then will not be
 
 
@@ -81,28 +90,11 @@ def run_pool(cfg: RunConfig, codec: RunTokenizer, workers: int = 1) -> VerifierP
     return VerifierPool(VerifierSpec.for_run(cfg, codec), workers)
 
 
-@dataclass
-class Verdict:
-    """The scores of one group: `rewards` (0 where the pool gave up), `failed` (kind ->
-    completions it gave up on) and `refused` (the group is not what the task would produce,
-    e.g. an episode transcript that is not the game's: store nothing)."""
-
-    rewards: list[float]
-    failed: Counter = field(default_factory=Counter)
-    refused: str | None = None
-    observation: str | None = None  # a step's: the environment's answer; None: the game is over
-
-
 Done = Callable[[list[tuple[Any, Verdict]]], None]
-Wire = list[tuple[list[int], list[tuple[int, int, int]] | None]]  # token ids, turns
-# What a worker is sent per item: ("score", seed, Wire, format_reward), or
-# ("step", seed, (game key, actions so far), 0.0) for one more turn of a live game.
-Work = tuple[str, int, Any, float]
-Result = tuple[list[float], Counter, str | None, str | None]  # rewards, failed, refused, obs
 
 
 def _size(work: Work) -> int:
-    """How many bounded calls (positions) an item holds."""
+    """How many bounded calls (completions) an item holds."""
     return len(work[2]) if work[0] == "score" else 1
 
 
@@ -111,156 +103,121 @@ def _wire(completions: list[Completion]) -> Wire:
     return [(list(c.token_ids), turns(c)) for c in completions]
 
 
-def _completion(ids: list[int], turns) -> Completion:
-    return Completion.model_construct(
-        token_ids=ids,
-        logprobs=[],
-        finished=True,
-        turns=None
-        if turns is None
-        else [Turn.model_construct(start=s, end=e, version=v) for s, e, v in turns],
-    )
+def _last_line(tb: str) -> str:
+    """What a traceback says went wrong, e.g. "ZeroDivisionError: division by zero"."""
+    return tb.rstrip().rsplit("\n", 1)[-1]
 
 
-# -- the worker process ------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Job:
+    """A group (or a game's move) to score, and what is known of it already: the completions
+    given up on (index -> kind), and how often a worker died holding it outside any call."""
+
+    tag: Any
+    work: Work
+    done: Done
+    key: Hashable
+    skip: dict[int, str] = field(default_factory=dict)
+    lost: int = 0
+
+    def give_up(self, k: int, kind: str) -> None:
+        """Completion `k` scores 0 as `kind`; every one, for k = -1 (the problem itself)."""
+        for i in range(_size(self.work)) if k < 0 else (k,):
+            self.skip.setdefault(i, kind)
+
+    def settled(self) -> Verdict | None:
+        """The verdict, once every completion is given up on: no worker needs to see it."""
+        n = _size(self.work)
+        return Verdict([0.0] * n, Counter(self.skip.values())) if len(self.skip) == n else None
 
 
-def _limit_memory(mb: int) -> None:
-    """Cap the address space at what the worker holds now plus `mb` (Linux; elsewhere the time
-    limit alone bounds a call)."""
-    try:
-        with open("/proc/self/status") as f:
-            held = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
-    except (OSError, StopIteration):
-        return
-    limit = held + (mb << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+class _Turns:
+    """The pool's queue: jobs per key, each `take` a batch of the next key's oldest ones, so
+    one submitter's pile never stands in front of another submitter's group."""
 
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._keys: OrderedDict[Hashable, deque[_Job]] = OrderedDict()  # next turn first
+        self._size = 0
+        self._closed = False
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when its parent dies (even by SIGKILL), so a
-    verifier spinning forever never outlives the broker."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the pipe's EOF ends it
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def put(self, job: _Job) -> None:
+        with self._cond:
+            self._keys.setdefault(job.key, deque()).append(job)
+            self._size += 1
+            self._cond.notify()
 
-
-def _serve(conn, clock, spec: VerifierSpec) -> None:
-    """A worker: load the task, say ready, then score batches until told to stop. `clock` is
-    (the start of the call in progress, or 0; its position) for the parent to watch."""
-    from echorl.rollout.scoring import score_completion
-    from echorl.tasks import get_task, is_environment
-
-    _die_with_parent()
-    os.nice(10)  # below the server that feeds it: a spinning verifier takes only idle CPU
-    try:
-        task = get_task(spec.task)
-    except Exception as e:  # the user's module: its error is the reason
-        conn.send(f"{type(e).__name__}: {e}")
-        return
-    try:  # a first call imports what the verifier needs (math-verify: sympy): untimed
-        if not is_environment(task):
-            task.score(task.problem(0), "0")
-    except Exception:
-        pass
-    _limit_memory(spec.memory_mb)
-    games: OrderedDict = OrderedDict()  # key -> (episode, actions taken): the live games
-    conn.send("ready")
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
+    def put_back(self, jobs: list[_Job]) -> None:
+        """One key's jobs, ahead of its others, but the key's turn after every other key's:
+        its worker just gave up on a call, which another key should not wait for again."""
+        if not jobs:
             return
-        if msg is None:
-            return
-        batch, skip = msg
-        out = []
-        for g, (kind, seed, payload, format_reward) in enumerate(batch):
-            base = g * (MAX_GROUP_SIZE + 1)
-            if kind == "step":
-                clock[1], clock[0] = base + 1, time.monotonic()
-                out.append(_move(task, games, seed, *payload, skip.get(base + 1)))
-                clock[0] = 0.0
-                continue
-            rewards, failed, refused = [], Counter(), None
-            try:
-                clock[1], clock[0] = base, time.monotonic()
-                problem = task.problem(seed)
-                for k, (ids, turns) in enumerate(payload):
-                    pos = base + k + 1
-                    if pos in skip:
-                        rewards.append(0.0)
-                        failed[skip[pos]] += 1
-                        continue
-                    clock[1], clock[0] = pos, time.monotonic()
-                    try:
-                        rewards.append(
-                            score_completion(
-                                task, problem, _completion(ids, turns), spec.codec, format_reward, k
-                            )
-                        )
-                    except MemoryError:
-                        rewards.append(0.0)
-                        failed["memory"] += 1
-            except ProtocolError as e:
-                refused = str(e)
-            except MemoryError:
-                refused = "the task's problem could not be made within the memory limit"
-            clock[0] = 0.0
-            out.append((rewards, failed, refused, None))
-        clock[1] = -1.0  # between batches: a death now is nobody's completion
-        conn.send(out)
+        with self._cond:
+            key = jobs[0].key
+            assert all(j.key == key for j in jobs), "a batch holds one key's jobs"
+            waiting = self._keys.pop(key, deque())
+            waiting.extendleft(reversed(jobs))
+            self._keys[key] = waiting
+            self._size += len(jobs)
+            self._cond.notify(len(jobs))
+
+    def take(self, feeders: int) -> list[_Job] | None:
+        """The next key's oldest jobs: a feeder's share of all that wait (at least 1, at most
+        BATCH: batches grow only under load, where a round trip per group would cost). Waits
+        for one; None once closed."""
+        with self._cond:
+            while not self._keys and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            key, waiting = next(iter(self._keys.items()))
+            n = min(len(waiting), BATCH, max(1, self._size // feeders))
+            jobs = [waiting.popleft() for _ in range(n)]
+            del self._keys[key]
+            if waiting:
+                self._keys[key] = waiting  # its next turn after every other key's
+            self._size -= n
+            return jobs
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
-def _move(env, games: OrderedDict, seed: int, key, actions: list[str], skipped: str | None):
-    """Game `key` one turn on: its last action played, from the episode this worker holds
-    or from a replay of the earlier ones. An error ends the game with return 0."""
-    held = games.pop(key, None)
-    if skipped is not None:  # this move overran or crashed its worker before
-        return [0.0], Counter({skipped: 1}), None, None
-    try:
-        if held is None or held[1] != len(actions) - 1:
-            episode = env.episode(seed)
-            for action in actions[:-1]:
-                episode.step(action)
-        else:
-            episode = held[0]
-        obs, reward, done, _ = episode.step(actions[-1])
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"reward {reward}")
-    except MemoryError:
-        return [0.0], Counter(memory=1), None, None
-    except Exception as e:  # the environment's code on the policy's text
-        log.debug("environment step failed: %s", e)
-        return [0.0], Counter(error=1), None, None
-    if done:
-        return [reward], Counter(), None, None
-    games[key] = (episode, len(actions))
-    if len(games) > GAMES_HELD:
-        games.popitem(last=False)
-    return [reward], Counter(), None, str(obs)
+class _Closed(Exception):
+    """The pool is closing: the feeder stops where it is."""
 
 
-# -- the parent's side -------------------------------------------------------------------------
+class _GaveUp(Exception):
+    def __init__(self, kind: str):
+        self.kind = kind
 
 
-class _Stuck(Exception):
-    def __init__(self, position: int, kind: str):
-        self.position, self.kind = position, kind
+@dataclass
+class _Stuck:
+    """Where a worker gave up: at the `index`-th job of its batch, on completion `k` (-1: the
+    problem), or `k` None when it died outside any call."""
+
+    index: int
+    k: int | None
+    kind: str
 
 
 class _Worker:
-    """One worker process and its pipe, restarted when it is killed or dies."""
+    """One worker process and its pipe; replaced, never restarted, when it is killed or dies."""
 
-    def __init__(self, ctx, spec: VerifierSpec):
-        self.ctx, self.spec = ctx, spec
+    def __init__(self, ctx, spec: VerifierSpec, closing: threading.Event):
+        self.ctx, self.spec, self.closing = ctx, spec, closing
         self.proc = None
 
-    def start(self) -> None:
+    def start(self) -> _Worker:
+        """Spawn the process and wait until it has loaded the task: RuntimeError if it cannot,
+        _Closed if the pool closes meanwhile."""
         self.conn, child = self.ctx.Pipe()
-        self.clock = self.ctx.Array("d", [0.0, -1.0], lock=False)
+        self.clock = self.ctx.Array("d", [0.0, -1.0, -1.0], lock=False)
         self.proc = self.ctx.Process(
-            target=_serve, args=(child, self.clock, self.spec), daemon=True, name="echorl-verifier"
+            target=serve, args=(child, self.clock, self.spec), daemon=True, name="echorl-verifier"
         )
         try:
             self.proc.start()
@@ -270,18 +227,38 @@ class _Worker:
             raise
         finally:
             child.close()
-        said = self._recv() if self.conn.poll(START_TIMEOUT_S) else "no answer"
+        # Below the server that feeds it from its first import on: a spinning verifier, or a
+        # spare starting, takes only idle CPU.
+        with contextlib.suppress(OSError):
+            nice = os.getpriority(os.PRIO_PROCESS, 0) + 10
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, min(nice, 19))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.conn.poll(0.1) and time.monotonic() < deadline:
+            if self.closing.is_set():
+                self.stop()
+                raise _Closed
+        said = self._recv() if self.conn.poll(0) else "no answer"
         if said != "ready":
             self.stop()
             raise RuntimeError(
                 f"a verifier worker for task {self.spec.task!r} failed to start: {said}"
             )
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
 
     def _recv(self):
         try:
             return self.conn.recv()
         except (EOFError, OSError):
             return None
+
+    def kill(self) -> None:
+        """SIGKILL, from any thread (the thread that uses the worker stops it)."""
+        proc = self.proc
+        if proc is not None:
+            proc.kill()
 
     def stop(self) -> None:
         if self.proc is None:
@@ -292,77 +269,82 @@ class _Worker:
         self.conn.close()
         self.proc = None
 
-    def run(self, batch: list[Work]) -> list[Result]:
-        """Score `batch`, restarting the worker past every completion it gives up on."""
-        skip: dict[int, str] = {}
-        idle_deaths = 0
-        while True:
-            if self.proc is not None and not self.proc.is_alive():
-                self.stop()  # died between batches (killed, out of memory): a fresh one
-            if self.proc is None:
-                self.start()
-            try:
-                self.conn.send((batch, skip))
-                return self._wait()
-            except _Stuck as e:
-                self.stop()
-                if e.position < 0:  # died before it scored anything: killed idle, once
-                    idle_deaths += 1
-                    if idle_deaths > 1:  # or the batch itself kills it: it would again
-                        raise RuntimeError(
-                            f"a verifier worker for {self.spec.task!r} died before scoring"
-                        ) from None
-                    log.warning("task %s: a verifier worker died idle; restarted", self.spec.task)
-                    continue
-                why = f"over {self.spec.time_limit_s:g} s" if e.kind == "timeout" else "died"
-                log.error("task %s: a verifier call %s; scoring it 0", self.spec.task, why)
-                if e.position % (MAX_GROUP_SIZE + 1) == 0:  # the problem itself: the whole group
-                    g = e.position // (MAX_GROUP_SIZE + 1)
-                    for k in range(_size(batch[g])):
-                        skip[e.position + k + 1] = e.kind
-                else:
-                    skip[e.position] = e.kind
-            except (BrokenPipeError, OSError):
-                self.stop()  # died between batches: a fresh one takes it
+    def run(self, jobs: list[_Job], deliver: Callable[[list[tuple[int, Verdict]]], None]):
+        """Score `jobs`, handing `deliver` each `(index, verdict)` as it comes (those that
+        came together at once). Returns None once all are scored, or the `_Stuck` where this
+        worker gave up, stopped, the jobs from there on unscored. _Closed if the pool closes."""
+        scored = 0
+        try:
+            self.conn.send([(j.work, j.skip) for j in jobs])
+            while scored < len(jobs):
+                got = self._next()
+                deliver(got)
+                scored += len(got)
+        except (_GaveUp, OSError) as e:  # OSError: it died before the batch was sent
+            if self.closing.is_set():
+                raise _Closed from None  # killed by `close`, not by its verifier
+            in_call = self.clock[0] != 0 and int(self.clock[1]) == scored
+            k = int(self.clock[2]) if in_call else None
+            self.stop()
+            return _Stuck(scored, k, e.kind if isinstance(e, _GaveUp) else "crash")
+        return None
 
-    def _wait(self):
+    def _next(self) -> list[tuple[int, Verdict]]:
+        """The verdicts in the pipe, waiting for one; _GaveUp when the worker died or its call
+        overran (the verdicts it sent before are read first)."""
         limit = self.spec.time_limit_s
         while True:
             if self.conn.poll(POLL_S):
-                out = self._recv()
-                if out is not None:
-                    return out
-                raise _Stuck(int(self.clock[1]), "crash")
+                got = []
+                while not got or self.conn.poll(0):
+                    if (out := self._recv()) is None:
+                        break
+                    got.append(out)
+                if got:
+                    return got
+                raise _GaveUp("crash")
+            if self.closing.is_set():
+                raise _Closed
             if not self.proc.is_alive() and not self.conn.poll(0):
-                raise _Stuck(int(self.clock[1]), "crash")
+                raise _GaveUp("crash")
             started = self.clock[0]
             if started and time.monotonic() - started > limit:
-                raise _Stuck(int(self.clock[1]), "timeout")
+                raise _GaveUp("timeout")
 
 
 class VerifierPool:
-    """`workers` verifier processes fed from one queue; see the module docstring."""
+    """`workers` verifier processes and a spare, fed from one queue served in turn by key;
+    see the module docstring."""
 
-    def __init__(self, spec: VerifierSpec, workers: int = 1, wait: bool = True):
+    def __init__(self, spec: VerifierSpec, workers: int = 1, wait: bool = True, spare: bool = True):
         """`wait`: start the workers now and raise if one cannot load the task; otherwise
         each starts on its feeder thread (the broker answers /healthz meanwhile) and a
-        group submitted before then waits for it."""
-        ctx = mp.get_context("spawn")  # never fork a process with threads (a server, torch)
+        group submitted before then waits for it. `spare`: keep one more started, once the
+        workers are up, to replace a killed one at once."""
+        assert workers >= 1, f"a verifier pool needs a worker, not {workers}"
         self.spec = spec
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.failures: Counter = Counter()  # kind -> completions scored 0 by the pool
+        self.failures: Counter = Counter()  # kind -> completions scored 0 (replaced, not changed)
+        self.first_error: str | None = None  # the first verifier exception, e.g. "KeyError: 'x'"
         self.refused = 0
         self.busy_s = 0.0  # summed over workers: seconds spent scoring
         self.t0 = time.monotonic()
+        self._ctx = mp.get_context("spawn")  # never fork a process with threads (a server, torch)
         self._lock = threading.Lock()
-        self.workers = [_Worker(ctx, spec) for _ in range(workers)]
-        # Each worker is started (and restarted) by its own feeder thread, which lives as long
-        # as the pool: the kernel kills a worker when the thread that started it ends.
+        self._turns = _Turns()
+        self._closing = threading.Event()
+        self._spare: _Worker | None = None
+        self._spare_taken = threading.Condition()
+        self.workers = [self._new_worker() for _ in range(workers)]
+        # Each process is started by a thread that lives as long as the pool (a feeder, or the
+        # spare's): the kernel kills a worker when the thread that started it ends.
         started = [Future() for _ in self.workers]
         self.threads = [
-            threading.Thread(target=self._feed, args=(w, f), daemon=True, name="verify-feed")
-            for w, f in zip(self.workers, started)
+            threading.Thread(target=self._feed, args=(n, f), daemon=True, name="verify-feed")
+            for n, f in enumerate(started)
         ]
+        if spare:
+            keep = threading.Thread(target=self._keep_spare, args=(started,), daemon=True)
+            self.threads.append(keep)
         for t in self.threads:
             t.start()
         if wait:
@@ -378,25 +360,22 @@ class VerifierPool:
         completions: list[Completion],
         done: Done,
         format_reward: float | None = None,
+        key: Hashable = None,
     ) -> None:
         """Score the group of problem `seed` later; `done([(tag, verdict), ...])` gets it.
-        `format_reward`: the spec's unless given (evaluation scores the verifier alone: 0)."""
+        `format_reward`: the spec's unless given (evaluation scores the verifier alone: 0).
+        `key`: who submits it (the broker's: the sampler); keys are served in turn."""
         fr = self.spec.format_reward if format_reward is None else format_reward
-        self.queue.put((tag, ("score", seed, _wire(completions), fr), done))
+        self._turns.put(_Job(tag, ("score", seed, _wire(completions), fr), done, key))
 
     def score(
         self, items: list[tuple[int, list[Completion]]], format_reward: float | None = None
     ) -> list[Verdict]:
         """Score (problem seed, completions) groups; blocks until all are scored."""
         futures = [Future() for _ in items]
-
-        def done(pairs):
-            for fut, verdict in pairs:
-                fut.set_result(verdict)
-
         for fut, (seed, completions) in zip(futures, items):
-            self.submit(fut, seed, completions, done, format_reward)
-        return [f.result() for f in futures]
+            self.submit(fut, seed, completions, _resolve, format_reward)
+        return self._results(futures)
 
     def step(self, games: list[tuple[Any, int, list[str]]]) -> list[Verdict]:
         """Each game `(key, problem seed, actions so far)` one turn on: its last action played.
@@ -404,71 +383,185 @@ class VerifierPool:
         answer, None once the game is over (done, or its move overran: reward 0, counted in
         `failed`). Keys name games across turns; blocks until every game has moved."""
         futures = [Future() for _ in games]
-
-        def done(pairs):
-            for fut, verdict in pairs:
-                fut.set_result(verdict)
-
         for fut, (key, seed, actions) in zip(futures, games):
-            self.queue.put((fut, ("step", seed, (key, list(actions)), 0.0), done))
+            self._turns.put(_Job(fut, ("step", seed, (key, list(actions)), 0.0), _resolve, None))
+        return self._results(futures)
+
+    def _results(self, futures: list[Future]) -> list[Verdict]:
+        """The verdicts, once all have come; RuntimeError if the pool closes first."""
+        while wait_for(futures, timeout=0.1).not_done:
+            if self._closing.is_set():
+                raise RuntimeError(f"the verifier pool of {self.spec.task!r} was closed")
         return [f.result() for f in futures]
 
     def utilisation(self) -> float:
         """Fraction of the workers' time spent scoring since the pool started."""
         return self.busy_s / max(1e-9, (time.monotonic() - self.t0) * len(self.workers))
 
-    def _feed(self, worker: _Worker, started: Future) -> None:
-        try:
-            worker.start()
-            started.set_result(None)
-        except Exception as e:  # retried with the first batch; counted as crashes
-            log.error("verifier worker for %r cannot start: %s", self.spec.task, e)
-            started.set_result(e)
-        while (first := self.queue.get()) is not None:
-            items = [first]
-            while len(items) < BATCH:
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self.queue.put(None)  # for this feeder's next turn: stop then
-                    break
-                items.append(item)
-            t0 = time.monotonic()
-            try:
-                results = worker.run([work for _, work, _ in items])
-            except Exception as e:  # a worker that cannot even start: every group scores 0
-                log.error("task %s: verifier pool failed: %s", self.spec.task, e)
-                results = [
-                    ([0.0] * _size(w), Counter(crash=_size(w)), None, None) for _, w, _ in items
-                ]
-            by_done: dict[int, tuple[Done, list]] = {}
-            with self._lock:
-                self.busy_s += time.monotonic() - t0
-                for (tag, _, done), (rewards, failed, refused, obs) in zip(items, results):
-                    self.failures.update(failed)
-                    self.refused += refused is not None
-                    by_done.setdefault(id(done), (done, []))[1].append(
-                        (tag, Verdict(rewards, failed, refused, obs))
-                    )
-            for done, pairs in by_done.values():
-                try:
-                    done(pairs)
-                except Exception:
-                    log.exception("verifier pool: the caller's callback failed")
-        worker.stop()
-
     def close(self) -> None:
-        for _ in self.workers:
-            self.queue.put(None)
-        for t in getattr(self, "threads", []):
-            t.join(timeout=10)
-        for w in self.workers:
-            w.stop()
+        """Kill every worker now (no stuck call's time limit is waited for) and end the
+        threads; groups not delivered by the time it returns never are."""
+        self._closing.set()
+        self._turns.close()
+        with self._spare_taken:
+            self._spare_taken.notify_all()
+        for w in [*self.workers, self._spare]:
+            if w is not None:
+                w.kill()
+        for t in self.threads:
+            t.join(timeout=5)
 
     def __enter__(self) -> VerifierPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- the threads ---------------------------------------------------------------------------
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.spec, self._closing)
+
+    def _feed(self, slot: int, started: Future) -> None:
+        """Feeder `slot`: starts its worker, then scores the batches `take` gives it."""
+        try:
+            started.set_result(self._first_start(slot))
+            while (jobs := self._turns.take(len(self.workers))) is not None:
+                self._score(slot, jobs)
+        except _Closed:
+            pass
+        finally:
+            if not started.done():
+                started.set_result(None)
+            self.workers[slot].stop()
+
+    def _first_start(self, slot: int) -> Exception | None:
+        """Start `slot`'s worker: None, or why it cannot (tried again with the first batch)."""
+        try:
+            self.workers[slot].start()
+        except _Closed:
+            raise
+        except Exception as e:  # the task's module, or no process: the reason is told
+            log.error("verifier worker for %r cannot start: %s", self.spec.task, e)
+            return e
+        return None
+
+    def _score(self, slot: int, jobs: list[_Job]) -> None:
+        """One batch in `slot`'s worker, each verdict delivered as it comes. Where the worker
+        gives up, the rest of the batch queues again (`_requeue`)."""
+        t0 = time.monotonic()
+        try:
+            worker = self._alive(slot)
+        except _Closed:
+            raise
+        except Exception as e:  # no worker can start: every group scores 0
+            log.error("task %s: verifier pool failed: %s", self.spec.task, e)
+            for j in jobs:
+                j.give_up(-1, "crash")
+            return self._deliver([(j, j.settled()) for j in jobs])
+        try:
+            stuck = worker.run(jobs, lambda got: self._deliver([(jobs[i], v) for i, v in got]))
+        finally:
+            with self._lock:
+                self.busy_s += time.monotonic() - t0
+        if stuck is not None:
+            self._requeue(jobs[stuck.index :], stuck)
+
+    def _alive(self, slot: int) -> _Worker:
+        """`slot`'s worker, or the spare (else a fresh one) in its place if it is dead."""
+        worker = self.workers[slot]
+        if worker.alive():
+            return worker
+        if worker.proc is not None:
+            log.warning("task %s: a verifier worker died idle; replaced", self.spec.task)
+        worker.stop()
+        self.workers[slot] = self._take_spare() or self._new_worker().start()
+        return self.workers[slot]
+
+    def _requeue(self, jobs: list[_Job], stuck: _Stuck) -> None:
+        """After a worker gave up at `jobs[0]`: the call it gave up on scores 0, or, where it
+        died outside any call, the group is tried again once (twice: it kills its worker, as
+        a crash). The jobs not settled by that queue again."""
+        first, kind = jobs[0], stuck.kind
+        if stuck.k is not None:
+            why = f"over {self.spec.time_limit_s:g} s" if kind == "timeout" else "died"
+            log.error("task %s: a verifier call %s; scoring it 0", self.spec.task, why)
+            first.give_up(stuck.k, kind)
+        else:
+            first.lost += 1
+            log.warning("task %s: a verifier worker died between calls", self.spec.task)
+            if first.lost > 1:
+                log.error("task %s: a group kills its verifier worker; scored 0", self.spec.task)
+                first.give_up(-1, "crash")
+        if (verdict := first.settled()) is not None:
+            self._deliver([(first, verdict)])
+            jobs = jobs[1:]
+        self._turns.put_back(jobs)
+
+    def _deliver(self, pairs: list[tuple[_Job, Verdict]]) -> None:
+        """Count the verdicts, then hand them over: one call per `done`."""
+        by_done: dict[int, tuple[Done, list]] = {}
+        first = None
+        with self._lock:
+            for job, v in pairs:
+                if v.failed:  # a new Counter: readers on other threads need no lock
+                    self.failures = self.failures + v.failed
+                self.refused += v.refused is not None
+                if v.error and self.first_error is None:
+                    first, self.first_error = v.error, _last_line(v.error)
+                by_done.setdefault(id(job.done), (job.done, []))[1].append((job.tag, v))
+        if first is not None:
+            log.error(
+                "task %s: the verifier raised (scored 0, counted as `error`; only the first is "
+                "logged):\n%s",
+                self.spec.task,
+                first.rstrip(),
+            )
+        for done, got in by_done.values():
+            try:
+                done(got)
+            except Exception:
+                log.exception("verifier pool: the caller's callback failed")
+
+    def _keep_spare(self, started: list[Future]) -> None:
+        """The spare's thread: once the workers are up, keeps one more worker started, to
+        take a killed one's place at once. It ends only with the pool: the processes it
+        started (some now feeders' workers) die with it."""
+        if any(f.result() for f in started):
+            return  # the task cannot load: a spare could not either
+        while not self._closing.is_set():
+            with self._spare_taken:
+                while self._spare is not None and not self._closing.is_set():
+                    self._spare_taken.wait()
+            if self._closing.is_set():
+                break
+            try:
+                spare = self._new_worker().start()
+            except _Closed:
+                break
+            except Exception as e:  # the feeders start their own instead
+                log.warning("task %s: no spare verifier worker: %s", self.spec.task, e)
+                self._closing.wait()
+                break
+            with self._spare_taken:
+                self._spare = spare
+        with self._spare_taken:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.stop()
+
+    def _take_spare(self) -> _Worker | None:
+        """The spare, if one is ready (a new one starts meanwhile)."""
+        with self._spare_taken:
+            spare, self._spare = self._spare, None
+            self._spare_taken.notify()
+        if spare is not None and not spare.alive():
+            spare.stop()
+            return None
+        return spare
+
+
+def _resolve(pairs: list[tuple[Future, Verdict]]) -> None:
+    """The `done` of `score` and `step`: each verdict to its future."""
+    for fut, verdict in pairs:
+        fut.set_result(verdict)

@@ -135,24 +135,34 @@ def success(reward):
 _TAGGED = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 
-def reward(task: Task, problem: Problem, text: str, format_reward: float = 0.0) -> float:
+def reward(
+    task: Task, problem: Problem, text: str, format_reward: float = 0.0, strict: bool = False
+) -> float:
     """The verifier's reward, plus `format_reward` when the answer sits in <answer> tags.
-    The two stay apart: only the first says whether the answer is right."""
+    The two stay apart: only the first says whether the answer is right. `strict`: a
+    verifier's failure raises (`checked_score`) instead of scoring 0 (`safe_score`)."""
     bonus = format_reward if format_reward and _TAGGED.search(text) else 0.0
-    return safe_score(task, problem, text) + bonus
+    score = checked_score if strict else safe_score
+    return score(task, problem, text) + bonus
+
+
+def checked_score(task: Task, problem: Problem, text: str) -> float:
+    """The task's reward, clamped to [0, 1]. Raises what the verifier raises, and ValueError
+    for a score that is not a finite number: the verifier pool counts these as `error`."""
+    score = float(task.score(problem, text))
+    if not math.isfinite(score):
+        raise ValueError(f"task {task.name}: the verifier returned {score!r}")
+    return min(max(score, 0.0), 1.0)
 
 
 def safe_score(task: Task, problem: Problem, text: str) -> float:
-    """The task's reward, clamped to [0, 1]. A verifier that raises on model output is a
-    bug in the verifier; it is logged and scored 0 rather than killing the run."""
+    """`checked_score`, in process: a verifier that raises on model output, or returns no
+    finite number, is a bug in the verifier; it is logged and scored 0 rather than killing
+    the run. (The verifier pool's workers use `checked_score` and count the failures.)"""
     try:
-        score = float(task.score(problem, text))
+        return checked_score(task, problem, text)
     except MemoryError:  # the verifier pool's memory limit: counted there, not swallowed
         raise
     except Exception:  # deliberate fault boundary: verifiers see untrusted text
-        log.exception("task %s: verifier raised on %r; scoring 0", task.name, text[:200])
+        log.exception("task %s: verifier failed on %r; scoring 0", task.name, text[:200])
         return 0.0
-    if not math.isfinite(score):
-        log.error("task %s: verifier returned %r on %r; scoring 0", task.name, score, text[:200])
-        return 0.0
-    return min(max(score, 0.0), 1.0)

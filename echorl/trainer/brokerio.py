@@ -104,9 +104,10 @@ def collect(
 
 def swarm_metrics(client: BrokerClient) -> dict[str, float]:
     """Samplers alive and their summed generation speed, as they last reported it."""
-    alive = [s for s in client.status().samplers if s.state == "alive"]
+    status = client.status()
+    alive = [s for s in status.samplers if s.state == "alive"]  # listed first, all of them
     return {
-        "samplers/alive": len(alive),
+        "samplers/alive": status.sampler_counts.get("alive", len(alive)),
         "samplers/tokens_per_s": sum(s.tokens_per_s or 0.0 for s in alive),
     }
 

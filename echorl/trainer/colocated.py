@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from transformers import PreTrainedModel
 
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
 from echorl.models import load_policy
 from echorl.models.lora import load_for_training, save_policy
+from echorl.progress import steps
 from echorl.protocol import ScoredGroup
 from echorl.rollout.evaluate import EvalResult, evaluate
 from echorl.rollout.generate import rollout
@@ -31,6 +32,7 @@ from echorl.seeding import derive_seed
 from echorl.tasks import Task, get_task, take
 from echorl.tasks.base import success
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from echorl.trainer.flat import FlatStreak
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
@@ -118,16 +120,6 @@ def rl_step(
     }
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
-
-
 def run_colocated(
     cfg: RunConfig, model_dir: str | Path, resume: bool = False, console: Console | None = None
 ) -> RunResult:
@@ -157,22 +149,20 @@ def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult
         before = held_out(backend, task, cfg, scorer)
         log.write({"step": 0, **before.record()})
         console.print(f"held-out greedy accuracy before RL: {before.accuracy:.3f} (n={before.n})")
-    with _progress(console) as progress:
-        bar = progress.add_task("RL", total=cfg.train.steps, completed=start)
+    flat = FlatStreak(cfg.launch.stall_timeout_s)  # raises NothingLearned: see its docstring
+    with steps(console, f"RL {task.name}", cfg.train.steps, start) as bar:
         for step in range(start, cfg.train.steps):
             record = rl_step(backend, task, cfg, step, opt, sched, ref_model, scorer)
             done = step + 1
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
                 record |= held_out(backend, task, cfg, scorer).record()
             log.write(record | {"step": done})
-            progress.update(
-                bar,
-                advance=1,
-                description=(
-                    f"RL {task.name}  reward {record['reward/mean']:.3f}  "
-                    f"{record['perf/gen_tokens_per_s']:.0f} tok/s"
-                ),
+            bar.update(
+                done,
+                f"reward {record['reward/mean']:.3f} {record['perf/gen_tokens_per_s']:.0f} tok/s",
             )
+            if warning := flat.see(record):
+                console.print(f"[yellow]step {done}: {escape(warning)}")
             if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out / "checkpoints", done, model, tokenizer, opt, sched)
     after = held_out(backend, task, cfg, scorer)

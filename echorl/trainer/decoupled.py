@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from transformers import PreTrainedModel
 
 from echorl.client import BrokerClient, BrokerError, BrokerRejected
@@ -51,6 +52,7 @@ from echorl.trainer.brokerio import BrokerIO
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.distributed import SOLO, World, full_state, join_world, local_device, wrap
+from echorl.trainer.flat import FlatStreak, NothingLearned
 from echorl.trainer.update import (
     build_optimizer,
     build_scheduler,
@@ -115,6 +117,7 @@ class DecoupledTrainer:
         self.eval_model: PreTrainedModel | None = None
         self.prefetched = False  # async: the helper is already pulling this step's groups
         self.lonely_since: float | None = None  # since when no sampler is alive (waiting)
+        self.flat = FlatStreak(cfg.launch.stall_timeout_s)  # steps with no advantage anywhere
         if world.leader:  # pulls, acks, audits and uploads: in a process of their own
             self.io = BrokerIO(client, io_cpus, spill=self.out)
 
@@ -227,12 +230,13 @@ class DecoupledTrainer:
         sampler has been alive for `launch.stall_timeout_s` (they were all quarantined,
         revoked or lost, and none joined)."""
         try:
-            samplers = self.client.status().samplers
+            status = self.client.status()
         except BrokerError as e:  # the broker is away: the pull keeps trying, so do we
             self.console.print(f"[yellow]step {step}: no groups for {waited:.0f} s; broker: {e}")
             return
+        samplers = status.samplers
         alive = [s for s in samplers if s.state == "alive"]
-        gone = Counter(s.state for s in samplers if s.state != "alive")
+        gone = Counter({k: n for k, n in status.sampler_counts.items() if k != "alive"})
         why = ", ".join(f"{n} {state}" for state, n in sorted(gone.items()))
         self.console.print(
             f"[yellow]step {step}: no groups for {waited:.0f} s; {len(alive)} samplers alive"
@@ -413,6 +417,7 @@ class DecoupledTrainer:
                 break
             if leader:
                 self.log_step(record, t_start)
+                self.watch_flat(record)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.checkpoint()
         self.checkpoint()
@@ -424,6 +429,21 @@ class DecoupledTrainer:
             save_policy(self.eval_model or self.model, self.tokenizer, self.out / "policy")
         plot_run(read_metrics(self.out / "metrics.jsonl"), self.out, f"{self.cfg.broker.mode}")
         return self.out
+
+    def watch_flat(self, record: dict) -> None:
+        """Warn of a streak of flat steps (`FlatStreak`). When it has lasted too long, log
+        why as the last metrics record (`trainer/gave_up`: `echorl run` reads it and does
+        not restart a trainer that cannot learn), close the I/O process so that the record
+        lands, and raise NothingLearned."""
+        try:
+            warning = self.flat.see(record)
+        except NothingLearned as e:
+            self.io.log({"step": self.step, "trainer/gave_up": str(e)})
+            self.io.close()
+            self.scorer.close()
+            raise
+        if warning:
+            self.console.print(f"[yellow]step {self.step}: {escape(warning)}")
 
     def log_step(self, record: dict, t_start: float) -> None:
         cfg = self.cfg.train

@@ -9,11 +9,11 @@ result is saved as an ordinary HF checkpoint that becomes policy version 0.
 from __future__ import annotations
 
 import torch
-from rich.progress import Progress
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from echorl.config import SamplingConfig, SFTConfig
 from echorl.models.tokenizer import RunTokenizer
+from echorl.progress import BarSteps, LineSteps
 from echorl.tasks import Environment, Task, is_environment, problem_stream
 from echorl.trainer.batch import Row, collate, token_logprobs
 
@@ -63,20 +63,20 @@ def warm_up(
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
     cfg: SFTConfig,
-    progress: Progress | None = None,
+    bar: BarSteps | LineSteps | None = None,
     params: SamplingConfig = SamplingConfig(),
 ) -> list[float]:
-    """Train `model` in place on demonstrations; returns the loss per step."""
+    """Train `model` in place on demonstrations; returns the loss per step. `bar` (see
+    `echorl.progress.steps`, total `cfg.steps`) is told each step and its loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
     # Linear decay to 30%, not lower: RL then runs at a rate well below where warm-up ended,
     # which keeps the first policy-gradient steps inside the region warm-up left stable.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.7 * i / max(cfg.steps, 1))
     batches = demonstration_batches(task, tokenizer, cfg, params)
-    bar = progress.add_task(f"warm-up on {task.name}", total=cfg.steps) if progress else None
     losses = []
     device = next(model.parameters()).device
     model.train()
-    for _ in range(cfg.steps):
+    for i in range(cfg.steps):
         batch = next(batches).to(device)
         logp, _ = token_logprobs(model, batch)
         loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
@@ -86,9 +86,7 @@ def warm_up(
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if progress is not None:
-            progress.update(
-                bar, advance=1, description=f"warm-up on {task.name}  loss {loss.item():.3f}"
-            )
+        if bar is not None:
+            bar.update(i + 1, f"loss {losses[-1]:.3f}")
     model.eval()
     return losses

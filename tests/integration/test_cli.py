@@ -1,6 +1,7 @@
 """The `echorl` CLI as a user runs it: real subprocesses, real files."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,19 @@ def test_trainer_refuses_a_malformed_core_list(warm, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and "--io-cpus" in proc.stdout
     assert not (tmp_path / "t").exists()
+
+
+def test_sft_into_a_pipe_prints_plain_progress_lines(tmp_path):
+    """rich draws no bar where stdout is no terminal (CI, nohup, a file): the warm-up says
+    how far it is in plain lines, with the loss and an ETA, and the last step's at the end."""
+    out = tmp_path / "sft"
+    shown = echorl("sft", "--task", "add", "--out", str(out), "-o", "sft.steps=60").stdout
+    lines = [x for x in shown.splitlines() if x.startswith("warm-up on add: step ")]
+    line = r"warm-up on add: step (\d+)/60 loss \d+\.\d{3} eta (\d+:\d\d:\d\d|\?)"
+    assert lines and all(re.fullmatch(line, x) for x in lines), shown
+    last = lines[-1]
+    assert last.startswith("warm-up on add: step 60/60 ") and last.endswith(" eta 0:00:00")
+    assert "━" not in shown and (out / "config.json").is_file()  # no bar's remains
 
 
 def test_eval_prints_accuracy(warm):

@@ -2,11 +2,15 @@
 
 Each run must finish with every step trained on exactly B groups, no group consumed twice,
 and nothing acknowledged lost. The model is the random tiny one with long completions
-(48 tokens), so a sampler spends most of its time mid-generation.
+(48 tokens), so a sampler spends most of its time mid-generation. Last, a swarm that cannot
+learn (the random model scores 0 on every completion) must say so and stop.
 """
 
 import os
+import re
 import signal
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -177,3 +181,43 @@ def test_a_trainer_left_with_no_sampler_says_why_and_stops(tmp_path, model):
     assert "no groups for" in said and "0 samplers alive (1 left)" in said, out[-2000:]
     assert "the swarm is empty: no sampler alive for" in said, out[-2000:]
     assert steps_done(tmp_path / "t") < 50
+
+
+def test_a_run_where_every_group_is_flat_warns_then_stops_naming_echorl_sft(tmp_path, model):
+    """The untrained model gets reward 0 on every completion: no group has an advantage, so
+    nothing is learned. `echorl run` warns after 3 such steps, and once they have gone on
+    for launch.stall_timeout_s the trainer stops (not restarted) and the run exits 1 naming
+    `echorl sft`; the summary counts the flat steps. Its output is a pipe: plain lines."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "echorl.cli", "run", "--out", str(out)]
+    for o in (
+        "broker.port=0",
+        f"model.path={model}",
+        "task.name=add",
+        "train.steps=1000",
+        "launch.samplers=1",
+        "launch.pin_cores=false",  # both cores for every start-up: the first step comes sooner
+        "launch.stall_timeout_s=25",  # also the launcher's: the first step must come by then
+        "train.batch_prompts=4",
+        "train.group_size=4",
+        "sampling.max_new_tokens=8",
+        "train.eval_prompts=4",
+    ):
+        args += ["-o", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    said = " ".join(proc.stdout.split())  # as printed, whatever the console's width
+    assert proc.returncode == 1, said + proc.stderr
+    warned = said.find("step 3: every group of the last 3 steps was flat (all rewards 0.0): ")
+    stopped = said.find("the trainer stops: every group of the last ")
+    assert 0 <= warned < stopped, said
+    assert (
+        "(all rewards 0.0): nothing is learned; warm the model up first: echorl sft"
+        in said[stopped:]
+    ), said
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r for r in records if "reward/mean" in r]
+    assert 3 <= len(steps) < 1000 and all(r["rollout/groups_flat_frac"] == 1.0 for r in steps)
+    assert "trainer/gave_up" in records[-1]  # why, for whoever reads the metrics
+    assert f"{len(steps)} of {len(steps)} steps had every group flat" in said, said
+    assert "echorl run: restart" not in (out / "logs" / "trainer.log").read_text()
+    assert re.search(r"echorl run: step \d+/1000 reward 0\.000 .* eta ", said), said

@@ -2,16 +2,40 @@
 that worked against the broker before its fix; each test asserts the numbers that show it no
 longer does."""
 
+import contextlib
 import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
 
 import httpx
 import pytest
 import torch
 
+from echorl.launch.local import write_access
+from echorl.models import save_tiny_model
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import ScoredGroup
 from echorl.trainer.batch import batch_from_groups
-from tests.integration.conftest import TRAINER, as_, group, query, register, wait_until
+from tests.integration.conftest import (
+    CREDENTIALS,
+    IDENTITY,
+    SAMPLER,
+    TRAINER,
+    as_,
+    free_port,
+    group,
+    query,
+    register,
+    start_broker,
+    start_sampler,
+    start_trainer,
+    stop_broker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -82,3 +106,129 @@ def test_reward_laundering_through_turns_is_refused(broker):
     assert (
         batch.loss_mask.sum().item() == sum(len(c.token_ids) for c in g.completions) == 2 * len(ids)
     )
+
+
+def sybil(url, stop, held, identities, n=1024):
+    """Fresh identities from the shared enrolment token, as fast as the broker lets them
+    register, each leasing all it can and never pushing."""
+    with contextlib.suppress(httpx.TransportError):  # the broker stopped
+        while not stop.is_set():
+            for _ in range(5):
+                r = httpx.post(
+                    f"{url}/v1/samplers",
+                    json={"name": f"sybil{len(identities)}", **IDENTITY},
+                    headers=as_(SAMPLER),
+                )
+                if r.status_code == 200:
+                    CREDENTIALS[r.json()["sampler_id"]] = r.json()["credential"]
+                    identities.append(r.json()["sampler_id"])
+            for sid in identities[-5:]:  # the older ones are barred: their leases ran out
+                got = lease(url, sid, n)
+                if got.status_code == 200:
+                    held.update(j["job_id"] for j in got.json()["jobs"])
+            stop.wait(1.0)  # as often as a sampler would ask
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode):
+    """Fresh identities that lease everything and never push: the trainer's step rate with
+    them is at least 80% of its rate without (before: a sync run made no step in four lease
+    periods), because an identity that has delivered nothing holds one job, and all such
+    together hold `broker.newcomer_jobs` beyond the trainer's budget."""
+    model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
+    run = ["-o", f"broker.mode={mode}", "-o", "train.batch_prompts=4", "-o", "train.group_size=2"]
+    run += ["-o", "sampling.max_new_tokens=8", "-o", "train.drop_flat_groups=false"]
+    run += ["-o", "train.eval_prompts=4", "-o", "train.eval_every=0"]
+    lease_s = 3
+    proc, url = start_broker(
+        tmp_path / "b",
+        free_port(),
+        *run,
+        "-o",
+        f"broker.lease_seconds={lease_s}",
+        "-o",
+        "broker.registrations_per_minute=120",
+    )
+    out = tmp_path / "out"
+    samplers = [start_sampler(url, model, f"honest{k}", *run) for k in range(2)]
+    trainer = start_trainer(url, model, out, *run, "-o", "train.steps=1000")
+    stop, held, identities = threading.Event(), set(), []
+    attack = threading.Thread(target=sybil, args=(url, stop, held, identities), daemon=True)
+    times = {}
+
+    def reached(k):
+        path = out / "metrics.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            with contextlib.suppress(ValueError):  # the line being written
+                r = json.loads(line)
+                if "time" in r:  # a training step (evaluations have records of their own)
+                    times.setdefault(r["step"], r["time"])
+        return k in times
+
+    try:
+        wait_until(lambda: reached(20), timeout=240, what="20 honest steps")
+        attack.start()
+        t_attack = time.monotonic()
+        wait_until(lambda: len(identities) >= 20, timeout=60, what="20 sybil identities")
+        time.sleep(max(0.0, t_attack + 2 * lease_s - time.monotonic()))  # hoarded leases ran out
+        s0 = max(times) if reached(-1) or times else 0
+        wait_until(lambda: reached(s0 + 20), timeout=120, what="20 steps under attack")
+    finally:
+        stop.set()
+        for p in [*samplers, trainer]:
+            p.terminate()
+            p.communicate(timeout=60)  # read: a full pipe would block its writes
+        stop_broker(proc)
+    honest = 15 / (times[20] - times[5])
+    attacked = 20 / (times[s0 + 20] - times[s0])
+    print(f"{mode}: {honest:.2f} steps/s honest, {attacked:.2f} under {len(identities)} sybils")
+    assert len(identities) >= 20 and held  # the attack ran, and its identities held jobs
+    assert attacked >= 0.8 * honest
+
+
+def test_register_and_leave_floods_leave_status_quick_and_short(tmp_path):
+    """5,000 identities that register and leave (before: status took 62 s and printed 4,222
+    lines): the status call stays under a second, lists the most relevant samplers and counts
+    the rest; `echorl status --run` finds the broker and token in a run's folder."""
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.registrations_per_minute=0")
+    try:
+        with httpx.Client(base_url=url) as http:
+            honest = register(url, "honest")
+            for k in range(5000):
+                r = http.post(
+                    "/v1/samplers", json={"name": f"flood{k}", **IDENTITY}, headers=as_(SAMPLER)
+                )
+                sid, credential = r.json()["sampler_id"], r.json()["credential"]
+                leave = http.post(
+                    f"/v1/samplers/{sid}/leave", headers={"Authorization": f"Bearer {credential}"}
+                )
+                assert leave.status_code == 200
+            t0 = time.perf_counter()
+            status = http.get("/v1/status", headers=as_(TRAINER)).json()
+            took = time.perf_counter() - t0
+        print(f"status over 5,001 samplers: {took * 1000:.0f} ms")
+        assert took < 1.0
+        assert status["sampler_counts"] == {"alive": 1, "left": 5000}
+        assert status["samplers"][0]["id"] == honest and len(status["samplers"]) == 100
+
+        run = tmp_path / "run"
+        run.mkdir()
+        env = {"ECHORL_TRAINER_TOKEN": TRAINER, "ECHORL_SAMPLER_TOKEN": SAMPLER}
+        write_access(run, url, env)
+        assert (run / "access.json").stat().st_mode & 0o777 == 0o600
+        cli = [sys.executable, "-m", "echorl.cli", "status", "--run", str(run)]
+        out = subprocess.run(
+            cli, capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "200"}
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "samplers: 1 alive, 5000 left" in out.stdout and "(20 of 5001)" in out.stdout
+        assert len(out.stdout.splitlines()) < 60
+        missing = subprocess.run(
+            [*cli[:-1], str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=os.environ | {"COLUMNS": "400"},
+        )
+        assert missing.returncode == 2 and "access.json does not exist" in missing.stdout
+    finally:
+        stop_broker(proc)

@@ -126,6 +126,91 @@ def test_a_verifier_that_never_returns_stalls_nothing(tmp_path):
         stop_broker(proc)
 
 
+def hostile_pile(tmp_path, *overrides):
+    """A hostile-task broker (async, B = 8, G = 2, two verifier workers) whose verifier is
+    stuck: sampler `h`, having delivered three right groups (proving the workers up, and
+    earning the leases a newcomer's probation withholds), has pushed four groups of
+    pathological answers ("spin", "sleep": eight calls that each hang for the time limit).
+    Returns (process, url, another sampler, a job leased to it)."""
+    proc, url = start_broker(
+        tmp_path / "b",
+        free_port(),
+        "-o",
+        f"task.name={HOSTILE}",
+        "-o",
+        "broker.mode=async",
+        "-o",
+        "train.batch_prompts=8",
+        *overrides,
+    )
+    publish(url, 0, b"w")
+    h, o = register(url, "h", task="hostile"), register(url, "o", task="hostile")
+    for _ in range(3):
+        (job,) = lease(url, h).json()["jobs"]
+        push(url, right(job, h), h)
+        assert pull_until(url, job["job_id"], 60) < 60
+    pile = lease(url, h, 4).json()["jobs"]
+    assert len(pile) == 4
+    for job in pile:
+        push(url, answer(job, "spin", "sleep", sid=h), h)
+    (job,) = lease(url, o).json()["jobs"]
+    time.sleep(0.5)  # both workers on the pile's first groups, the rest queued
+    return proc, url, o, job
+
+
+def right(job, sid):
+    """A push body whose first answer is right (the hostile task's problems are sums)."""
+    a, b = job["prompt"][:-1].split("+")
+    return answer(job, str(int(a) + int(b)), "x", sid=sid)
+
+
+def push(url, body, sid):
+    r = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(sid))
+    assert r.status_code == 200 and r.json() == {"stored": True}, r.text
+
+
+def pull_until(url, job_id, timeout):
+    """Pull as the trainer until `job_id` comes; returns the seconds it took (or `timeout`)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        body = {"n": 4, "step": 0, "wait_s": 1}
+        groups = httpx.post(f"{url}/v1/batches/pull", json=body, headers=as_(TRAINER)).json()
+        if any(g["job_id"] == job_id for g in groups["groups"]):
+            break
+    return time.monotonic() - t0
+
+
+def test_an_honest_group_is_not_held_behind_another_samplers_stuck_ones(tmp_path):
+    """Issue 24.3: B x G answers that hang the verifier (default time limit, 5 s each) in
+    flight from one sampler hold another sampler's group back by one time limit at most: the
+    pool serves its submitters in turn, one's stuck group never queues in front of another's,
+    and a worker killed for its time is replaced by a spare at once. (It was 103 s.)"""
+    proc, url, o, job = hostile_pile(tmp_path)
+    try:
+        push(url, right(job, o), o)
+        took = pull_until(url, job["job_id"], 90)
+        print(f"the honest group was pulled {took:.1f} s after its push")
+        assert took < 10
+    finally:
+        stop_broker(proc)
+
+
+def test_sigterm_ends_a_broker_whose_verifier_calls_are_stuck(tmp_path):
+    """Closing the pool kills its workers at once: it waits for no stuck call's time limit."""
+    proc, url, _, _ = hostile_pile(tmp_path, "-o", "verify.time_limit_s=60")
+    t0 = time.monotonic()
+    proc.terminate()
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.kill()
+    took = time.monotonic() - t0
+    out = proc.stdout.read()
+    print(f"SIGTERM to exit: {took:.2f} s")
+    assert code in (0, -15) and "Traceback" not in out, out
+    assert took < 5
+
+
 def test_a_sampler_can_act_only_as_itself_and_a_revoked_one_not_at_all(broker):
     url, data = broker
     publish(url, 0, b"w")

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from echorl.broker.store import Admission, BrokerStore, Quarantine
+from echorl.broker.store import Admission, BrokerStore, Probation, Quarantine
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import (
     Forbidden,
@@ -595,3 +595,37 @@ def test_auditors_lease_consumed_groups_the_trainer_left_one_final_version_at_a_
     v, groups = s.lease_audits(10, now=30, lease_seconds=10, final_below=3, stored={2})
     assert v == 2 and [json.loads(g)["job_id"] for g in groups] == [4, 5]
     assert s.counts()["audits"] == {"done": 2, "leased": 2, "missed": 2}
+
+
+def test_left_and_lost_samplers_are_forgotten_after_the_retention(s):
+    left, lost, bad, alive = (sampler(s, n, now=0.0) for n in ("left", "lost", "bad", "alive"))
+    s.leave(left)
+    s.expire(now=100.0, sampler_timeout=50.0)  # all silent since 0: lost
+    s.heartbeat(alive, now=100.0)
+    s.revoke(bad)
+    assert s.sampler_counts() == {"alive": 1, "left": 1, "lost": 1, "revoked": 1}
+    assert s.prune(now=500.0, retention_s=600.0) == []
+    assert sorted(s.prune(now=700.0, retention_s=600.0)) == sorted([left, lost])
+    assert s.sampler_counts() == {"alive": 1, "revoked": 1}  # the revoked one stays on record
+    assert [r["id"] for r in s.samplers(limit=1)] == [alive]  # alive first
+
+
+def test_a_newcomer_holds_few_jobs_beyond_the_budget_and_more_once_it_delivers(s):
+    admit = Admission(batch=4, max_staleness=0, pin_version=True)
+    probation = Probation(first=1, newcomers=2)
+    s.set_latest_version(0)
+    a, b, c = (sampler(s, n) for n in "abc")
+
+    def lease(who, n=100, now=0.0):
+        return s.lease(who, n, 2, now, 10, admit=admit, probation=probation)
+
+    (job,) = lease(a)
+    assert lease(a) == []  # one job until it delivers
+    assert len(lease(b)) == 1 and lease(c) == []  # newcomers hold 2 together
+    push(s, a, group(s, job.job_id), [1.0, 0.0], now=1.0)  # delivered: extra no more
+    got = lease(a)
+    assert len(got) == 2  # first lease + 1 delivered, from the budget (4 - 1 ready)
+    assert len(lease(c)) == 1  # a's delivered job freed a newcomer's place
+    # An expired lease starts a's probation over (and bars it one lease period).
+    s.expire(now=20.0, sampler_timeout=1e9, bar_s=10.0)
+    assert lease(a, now=25.0) == [] and len(lease(a, now=31.0)) == 1

@@ -1,6 +1,8 @@
 """The verifier pool: scores as in process, and a verifier that hangs, spins, eats memory or
 kills its process costs that completion a 0 (counted by kind), never the caller's time."""
 
+import multiprocessing as mp
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +15,8 @@ from echorl.rollout.verify import VerifierPool, VerifierSpec
 from echorl.tasks import get_task
 
 CODEC = RunTokenizer.builtin()
-HOSTILE = f"{Path(__file__).parents[1] / 'fixtures' / 'hostile_task.py'}:Hostile"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hostile_task.py"
+HOSTILE = f"{FIXTURES}:Hostile"
 
 
 def completion(text: str) -> Completion:
@@ -51,6 +54,105 @@ def test_misbehaving_verifiers_score_zero_and_are_counted():
         # and the pool still works afterwards
         assert pool.score([(12, good)])[0].rewards == [1.0] * 4
     assert took < 30  # three 1 s limits and four worker restarts, not an hour
+
+
+def deliveries():
+    """A `done` that keeps each verdict with the time it came, by tag, in arrival order."""
+    came: dict = {}
+
+    def done(pairs):
+        for tag, verdict in pairs:
+            came[tag] = (time.monotonic(), verdict)
+
+    return came, done
+
+
+def wait_for(predicate, timeout=60.0):
+    t_end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < t_end, "timed out"
+        time.sleep(0.01)
+
+
+def test_each_group_is_delivered_the_moment_it_is_scored():
+    """Groups scored in one worker batch come back one by one: a group's verdict does not
+    wait for a hanging group batched behind it."""
+    came, done = deliveries()
+    with VerifierPool(VerifierSpec(HOSTILE, CODEC, time_limit_s=1.0), spare=False) as pool:
+        pool.submit("blocker", 12, [completion("sleep")], done)
+        time.sleep(0.3)  # the worker is in the blocker's call: the next two wait, one batch
+        pool.submit("fast", 12, [completion("3")], done)
+        pool.submit("slow", 12, [completion("sleep"), completion("3")], done)
+        wait_for(lambda: len(came) == 3)
+    assert list(came) == ["blocker", "fast", "slow"]
+    gap = came["slow"][0] - came["fast"][0]
+    print(f"the fast group came {gap:.2f} s before the slow one of its batch")
+    assert gap > 0.8  # the slow one's hanging call was given up after 1 s; the fast one not held
+    assert came["fast"][1].rewards == [1.0]
+    assert came["slow"][1].rewards == [0.0, 1.0] and came["slow"][1].failed == {"timeout": 1}
+
+
+def test_keys_are_served_in_turn_and_a_spare_replaces_a_killed_worker_at_once():
+    """One key's pile of groups that hang the verifier (3 groups of 2 calls, 1 s each) holds
+    another key's group back by the one call already running: the keys are served in turn
+    and a hanging key's turn comes last, and the spare takes the killed worker's place at
+    once. (This task takes 2 s to load, as math-verify's imports take seconds.)"""
+    spec = VerifierSpec(f"{FIXTURES}:SlowStart", CODEC, time_limit_s=1.0)
+    took = {}
+    for spare in (True, False):
+        came, done = deliveries()
+        with VerifierPool(spec, workers=1, spare=spare) as pool:
+            if spare:
+                wait_for(lambda: pool._spare is not None)  # the spare is up
+            t0 = time.monotonic()
+            for n in range(3):
+                pool.submit(n, 12, [completion("sleep")] * 2, done, key="hostile")
+            pool.submit("honest", 12, [completion("3")], done, key="honest")
+            wait_for(lambda came=came: "honest" in came)
+            took[spare] = came["honest"][0] - t0
+            assert list(came) == ["honest"] and came["honest"][1].rewards == [1.0]
+    print(f"the honest group came after {took[True]:.2f} s ({took[False]:.2f} s with no spare)")
+    assert took[True] < 1.8  # the running call's 1 s; then at once
+    assert took[False] > 2.5  # and a fresh worker's 2 s start too
+
+
+def test_a_verifier_that_raises_is_counted_as_an_error_and_its_first_line_kept():
+    with VerifierPool(VerifierSpec(HOSTILE, CODEC)) as pool:
+        (v,) = pool.score([(12, [completion(t) for t in ("raise", "3", "raise")])])
+        assert v.rewards == [0.0, 1.0, 0.0] and v.failed == {"error": 2}
+        assert "hostile_task.py" in v.error  # the traceback names the verifier's line
+        assert pool.failures == {"error": 2}
+        assert pool.first_error == "ZeroDivisionError: division by zero"
+        pool.score([(12, [completion("raise")])])
+        assert pool.failures == {"error": 3}
+
+
+def test_close_kills_a_worker_stuck_in_a_call_at_once():
+    """No stuck call's time limit is waited for; what was not delivered never is, and a
+    caller blocked in `score` is told."""
+    came, done = deliveries()
+    pool = VerifierPool(VerifierSpec(HOSTILE, CODEC, time_limit_s=60.0), workers=2)
+    pool.submit("stuck", 12, [completion("spin")], done)
+    told, asleep = [], completion("sleep")
+    blocked = threading.Thread(target=lambda: told.append(raised(pool.score, [(12, [asleep])])))
+    blocked.start()
+    time.sleep(0.5)  # both workers in their calls
+    t0 = time.monotonic()
+    pool.close()
+    took = time.monotonic() - t0
+    print(f"closed in {took:.3f} s")
+    assert took < 1.0 and not came
+    assert not [p for p in mp.active_children() if p.name == "echorl-verifier"]
+    blocked.join(5)
+    assert told and "closed" in str(told[0])
+
+
+def raised(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as e:
+        return e
+    return None
 
 
 def test_an_environment_transcript_that_is_not_the_game_is_refused():
