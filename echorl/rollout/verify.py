@@ -501,21 +501,21 @@ class VerifierPool:
     def _deliver(self, pairs: list[tuple[_Job, Verdict]]) -> None:
         """Count the verdicts, then hand them over: one call per `done`."""
         by_done: dict[int, tuple[Done, list]] = {}
-        first = None
+        new_error = None
         with self._lock:
             for job, v in pairs:
                 if v.failed:  # a new Counter: readers on other threads need no lock
                     self.failures = self.failures + v.failed
                 self.refused += v.refused is not None
                 if v.error and self.first_error is None:
-                    first, self.first_error = v.error, _last_line(v.error)
+                    new_error, self.first_error = v.error, _last_line(v.error)
                 by_done.setdefault(id(job.done), (job.done, []))[1].append((job.tag, v))
-        if first is not None:
+        if new_error is not None:
             log.error(
                 "task %s: the verifier raised (scored 0, counted as `error`; only the first is "
                 "logged):\n%s",
                 self.spec.task,
-                first.rstrip(),
+                new_error.rstrip(),
             )
         for done, got in by_done.values():
             try:

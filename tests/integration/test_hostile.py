@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -232,3 +233,77 @@ def test_register_and_leave_floods_leave_status_quick_and_short(tmp_path):
         assert missing.returncode == 2 and "access.json does not exist" in missing.stdout
     finally:
         stop_broker(proc)
+
+
+LIAR = Path(__file__).parents[1] / "fixtures" / "dishonest_sampler.py"
+
+
+@pytest.mark.slow
+def test_a_liar_rotating_identities_is_quarantined_or_starved(tmp_path):
+    """A sampler that reports made-up log-probs and registers anew every few seconds, with
+    an enrolment token the admin issued its operator, beside 2 honest samplers: no identity
+    of it lives to `quarantine.min_tokens` audited tokens of its own (before: never
+    quarantined). Either the audit's sums, kept by its operator, quarantine it with every
+    identity (and it may register none after), or probation starves it: a bounded share of
+    any batch. The honest samplers are never quarantined."""
+    model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
+    run = ["-o", "broker.mode=async", "-o", "train.batch_prompts=6", "-o", "train.group_size=2"]
+    run += ["-o", "sampling.max_new_tokens=8", "-o", "train.drop_flat_groups=false"]
+    run += ["-o", "train.eval_prompts=4", "-o", "train.eval_every=0"]
+    proc, url = start_broker(tmp_path / "b", free_port(), *run)
+    data = tmp_path / "b"
+    out = tmp_path / "out"
+    admin = os.environ | {"ECHORL_TOKEN": TRAINER}
+    enrol = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "samplers", "enrol", "mallory", "--broker", url],
+        env=admin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert enrol.returncode == 0, enrol.stdout + enrol.stderr
+    token = enrol.stdout.split("ECHORL_SAMPLER_TOKEN=")[1].split()[0]
+    honest = [start_sampler(url, model, f"honest{k}", *run) for k in range(2)]
+    trainer = start_trainer(url, model, out, *run, "-o", "train.steps=1000")
+    liars, refused = [], None
+    cmd = [sys.executable, str(LIAR), "fake", "sampler", "--broker", url, "--model", str(model)]
+    cmd += ["--threads", "1", "--jobs-per-lease", "2", *run]
+    try:
+        t_end = time.monotonic() + 150
+        while time.monotonic() < t_end:
+            liar = subprocess.Popen(
+                [*cmd, "--name", f"mallory{len(liars)}"],
+                env=os.environ | {"ECHORL_SAMPLER_TOKEN": token},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            liars.append(liar)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                liar.wait(12)  # then a new identity
+            if liar.poll() is not None:  # refused at registration: the operator is out
+                refused = liar.communicate()[0]
+                break
+            liar.kill()
+            liar.communicate()
+    finally:
+        for p in [*honest, trainer]:
+            p.terminate()
+            p.communicate(timeout=60)
+        stop_broker(proc)
+    states = query(data, "SELECT name, state, operator FROM samplers")
+    (operator,) = query(data, "SELECT state, audit_total FROM operators WHERE name = 'mallory'")
+    shares = query(
+        data,
+        "SELECT r.consumed_step, AVG(s.operator = 'mallory') FROM rollouts r JOIN samplers s "
+        "ON s.id = r.sampler_id WHERE r.state = 'consumed' GROUP BY r.consumed_step",
+    )
+    worst = max(share for _, share in shares)
+    print(f"{len(liars)} identities; operator {operator}; largest share of a batch {worst:.2f}")
+    assert len(liars) >= 2 and len(shares) >= 20  # it rotated; the run went on
+    assert all(s != "quarantined" for n, s, o in states if n.startswith("honest"))
+    if operator[0] == "quarantined":
+        assert refused is not None and "operator mallory is quarantined" in refused, refused
+        assert all(s == "quarantined" for n, s, o in states if o == "mallory" and s != "lost")
+    else:
+        assert worst <= 2 / 6  # starved: 2 of a batch of 6 at most

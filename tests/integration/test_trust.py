@@ -211,6 +211,27 @@ def test_sigterm_ends_a_broker_whose_verifier_calls_are_stuck(tmp_path):
     assert took < 5
 
 
+def test_a_verifier_that_raises_is_counted_and_its_error_shown(tmp_path):
+    """A verifier's exception scores 0 and is counted as kind `error`, in the status and the
+    metrics, with the first one's last line in the status and its traceback in the log, once."""
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", f"task.name={HOSTILE}")
+    try:
+        publish(url, 0, b"w")
+        sid = register(url, "s", task="hostile")
+        (job,) = lease(url, sid).json()["jobs"]
+        push(url, answer(job, "raise", "raise", sid=sid), sid)
+        assert pull_until(url, job["job_id"], 60) < 60
+        status = httpx.get(f"{url}/v1/status", headers=as_(TRAINER)).json()
+        assert status["verifier"]["error"] == 2
+        assert status["verifier_error"] == "ZeroDivisionError: division by zero"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'broker_verifier_failures_total{kind="error",task="hostile"} 2.0' in metrics
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=10)[0]
+    assert out.count("the verifier raised") == 1 and "return 1 / 0" in out, out
+
+
 def test_a_sampler_can_act_only_as_itself_and_a_revoked_one_not_at_all(broker):
     url, data = broker
     publish(url, 0, b"w")

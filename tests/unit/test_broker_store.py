@@ -629,3 +629,27 @@ def test_a_newcomer_holds_few_jobs_beyond_the_budget_and_more_once_it_delivers(s
     # An expired lease starts a's probation over (and bars it one lease period).
     s.expire(now=20.0, sampler_timeout=1e9, bar_s=10.0)
     assert lease(a, now=25.0) == [] and len(lease(a, now=31.0)) == 1
+
+
+def test_an_operators_audit_adds_up_across_its_identities(s):
+    """Two identities of one operator, each below min_tokens on its own: together over, the
+    operator is quarantined with both, and registers no third."""
+    s.add_operator("mallory", "f" * 64, now=0.0)
+    info = SamplerInfo(name="m", tokenizer=CODEC.fingerprint, task="add")
+    ids = [s.register(info, 0.0, operator="mallory") for _ in range(2)]
+    honest = sampler(s, "honest")
+    s.set_latest_version(0)
+    policy = Quarantine(min_tokens=100, max_mean_abs=0.5, max_kl=0.05, max_beyond=0.1, decay=1.0)
+    audits = []
+    for who in (*ids, honest):
+        (j,) = s.lease(who, 1, 2, 0, 10)
+        push(s, who, group(s, j.job_id), [1.0, 0.0], now=1.0)
+        bad = who != honest
+        audits.append(
+            GroupAudit(job_id=j.job_id, tokens=60, abs_delta=60.0 * bad, kl=60.0 * bad, beyond=0.0)
+        )
+    quarantined = dict(s.audit(audits, policy, step=0))  # 60 tokens each: none alone
+    assert set(quarantined) == set(ids) and "operator mallory" in quarantined[ids[0]]
+    with pytest.raises(Forbidden, match="operator mallory is quarantined"):
+        s.register(info, 2.0, operator="mallory")
+    assert dict(s.sampler_counts()) == {"quarantined": 2, "alive": 1}
