@@ -264,7 +264,7 @@ class BrokerConfig(_Section):
         le=1_000_000,
         description="jobs a sampler that has delivered nothing may hold; each group it delivers "
         "allows one more, up to max_leased_per_sampler (a lease that runs out unpushed starts "
-        "it over): a fresh identity cannot hoard",
+        "it over): a fresh identity cannot hoard; >= max_leased_per_sampler: no probation",
     )
     newcomer_jobs: int | None = Field(
         None,

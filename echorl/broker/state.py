@@ -142,8 +142,12 @@ class BrokerState:
     registrations: RateLimit = field(default_factory=lambda: RateLimit(0))
 
     @cached_property
-    def probation(self) -> Probation:
+    def probation(self) -> Probation | None:
+        """None when a first lease is as large as anyone's (`broker.first_lease` >=
+        `max_leased_per_sampler`): no probation, newcomers lease from the budget."""
         b, batch = self.cfg.broker, self.cfg.train.batch_prompts
+        if b.first_lease >= (b.max_leased_per_sampler or batch):
+            return None
         return Probation(b.first_lease, b.newcomer_jobs or max(1, batch // 4))
 
     def may_register(self, operator: str, address: str) -> None:

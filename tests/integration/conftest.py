@@ -22,6 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Tests of other mechanisms lease as samplers that have delivered would, with no probation
+# (test_hostile.py tests probation, with the defaults: PROBATION).
+PROVEN = ("-o", "broker.first_lease=1000000")  # >= max_leased_per_sampler: probation off
+PROBATION = ("-o", "broker.first_lease=1", "-o", "broker.newcomer_jobs=1")
+
+
 def start_broker(data_dir, port, *overrides):
     """Start `echorl broker` and wait until it answers /healthz; returns (process, url)."""
     args = [
@@ -37,6 +43,7 @@ def start_broker(data_dir, port, *overrides):
         "train.group_size=2",
         "-o",
         "broker.max_body_bytes=100000",
+        *PROVEN,
         *overrides,
     ]
     proc = subprocess.Popen(

@@ -97,7 +97,9 @@ def test_lease_and_pull_are_long_polls_answered_by_a_publish_and_a_push(broker, 
         other.push_many(other_id, [group(j, version=1) for j in reply.jobs[:2]])
         pull.join()
         pulled = waiting["pulled"].groups
-        assert sorted(g.job_id for g in pulled) == [j.job_id for j in reply.jobs[:2]]
+        # answered by the push, with what was scored by then (the verifier delivers each
+        # group as it finishes)
+        assert pulled and {g.job_id for g in pulled} <= {j.job_id for j in reply.jobs[:2]}
 
 
 def test_client_retries_until_the_broker_comes_up(tmp_path):

@@ -24,6 +24,7 @@ from echorl.trainer.batch import batch_from_groups
 from tests.integration.conftest import (
     CREDENTIALS,
     IDENTITY,
+    PROBATION,
     SAMPLER,
     TRAINER,
     as_,
@@ -147,6 +148,7 @@ def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode):
         *run,
         "-o",
         f"broker.lease_seconds={lease_s}",
+        *PROBATION,
         "-o",
         "broker.registrations_per_minute=120",
     )
@@ -250,7 +252,7 @@ def test_a_liar_rotating_identities_is_quarantined_or_starved(tmp_path):
     run = ["-o", "broker.mode=async", "-o", "train.batch_prompts=6", "-o", "train.group_size=2"]
     run += ["-o", "sampling.max_new_tokens=8", "-o", "train.drop_flat_groups=false"]
     run += ["-o", "train.eval_prompts=4", "-o", "train.eval_every=0"]
-    proc, url = start_broker(tmp_path / "b", free_port(), *run)
+    proc, url = start_broker(tmp_path / "b", free_port(), *run, *PROBATION)
     data = tmp_path / "b"
     out = tmp_path / "out"
     admin = os.environ | {"ECHORL_TOKEN": TRAINER}

@@ -147,7 +147,11 @@ def test_the_broker_scores_by_replay_over_http(tmp_path, episodes):
         {
             "task": {"name": "sokoban"},
             "train": {"group_size": 4, "batch_prompts": 4},
-            "broker": {"data_dir": str(tmp_path), "insecure_no_auth": True},
+            "broker": {
+                "data_dir": str(tmp_path),
+                "insecure_no_auth": True,
+                "first_lease": 1000,  # as a proven sampler: probation is test_hostile.py's
+            },
         }
     )
     app = create_app(cfg)
