@@ -282,6 +282,25 @@ class BrokerConfig(_Section):
         "many, then this rate; 429 beyond); 0 = unlimited",
     )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest JSON body accepted")
+    push_bytes_per_sampler: int | None = Field(
+        None,
+        ge=1024,
+        description="push bodies one sampler may have in flight at once (429 beyond, before "
+        "reading them); unset = 2 x max_body_bytes",
+    )
+    push_bytes_in_flight: int | None = Field(
+        None,
+        ge=1024,
+        description="push bodies all samplers may have in flight at once: what pushes can "
+        "hold of the broker's memory (429 beyond); unset = 8 x max_body_bytes",
+    )
+    sampler_calls_per_s: float = Field(
+        100.0,
+        ge=0.0,
+        le=1e6,
+        description="calls one sampler may make a second, after a burst of twice as many "
+        "(429 with Retry-After beyond; a busy sampler of the 1m model makes ~30); 0 = unlimited",
+    )
     push_slots: int = Field(
         4,
         ge=1,

@@ -8,13 +8,15 @@ imported everywhere, never redefined. Validation is in two layers:
   are finite and <= 0, ids are non-negative, sizes are bounded), so a malformed
   body is refused before it reaches any handler;
 - rules that need the broker's state (vocabulary size, the group size that was
-  leased, the latest published version) are `ScoredGroup.check_against`,
+  leased, the latest published version) are `Arrival.check_against`,
   which raises an error of the `ProtocolError` tree, whose `status` the broker answers with.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -278,39 +280,67 @@ class ScoredGroup(_Wire):
         return self
 
     def check_against(self, job: JobState, vocab_size: int, latest_version: int) -> None:
-        """The rules that need broker state (the job as leased, the vocabulary, the latest
-        version); raises the error of the tree that says what is wrong."""
-        if len(self.completions) != job.group_size:
-            raise ProtocolError(
-                f"job {self.job_id} was leased with G = {job.group_size}, "
-                f"got {len(self.completions)} completions"
-            )
-        if self.prompt_ids != job.prompt_ids:
-            raise ProtocolError(
-                f"job {self.job_id}: prompt_ids are not the job's prompt (generate from the "
-                "ids the lease carried; never re-encode the text)"
-            )
-        newest = max([self.version, *(t.version for c in self.completions for t in c.turns or [])])
-        if newest > latest_version:
-            raise ProtocolError(
-                f"version {newest} is newer than the latest published ({latest_version})"
-            )
-        self.check_vocabulary(vocab_size)
-
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Every token id is in the vocabulary (Unprocessable otherwise): checked before
-        anything decodes them."""
-        for k, c in enumerate(self.completions):
-            bad = max(c.token_ids)
-            if bad >= vocab_size:
-                raise Unprocessable(
-                    f"completions[{k}]: token id {bad} is outside the vocabulary "
-                    f"(size {vocab_size})"
-                )
+        """The rules that need broker state (`Arrival.check_against`)."""
+        Arrival.of(self).check_against(job, vocab_size, latest_version)
 
     @property
     def tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A pushed group as the broker keeps it: what the store checks against the job, and the
+    group's JSON, stored as it is (the verifier parses its completions in its own process).
+    Made where the push is parsed, off the server's process (`broker/intake.py`), so the
+    server never builds a big group's token lists."""
+
+    job_id: int
+    version: int
+    versions: frozenset[int]  # of every token: the group's and its turns'
+    prompt_ids: tuple[int, ...]
+    group_size: int
+    max_token: tuple[int, int]  # the largest token id, and the completion that holds it
+    body: str  # the group's JSON without the rewards (see broker.store.WIRE)
+    claimed: str  # the sampler's rewards, as JSON
+
+    @classmethod
+    def of(cls, group: ScoredGroup) -> Arrival:
+        return cls(
+            job_id=group.job_id,
+            version=group.version,
+            versions=frozenset(
+                [group.version, *(t.version for c in group.completions for t in c.turns or [])]
+            ),
+            prompt_ids=tuple(group.prompt_ids),
+            group_size=len(group.completions),
+            max_token=max((max(c.token_ids), k) for k, c in enumerate(group.completions)),
+            body=group.model_dump_json(exclude={"rewards", "sampler"}),
+            claimed=json.dumps(group.rewards),
+        )
+
+    def check_against(self, job: JobState, vocab_size: int, latest_version: int) -> None:
+        """The rules that need broker state (the job as leased, the vocabulary, the latest
+        version); raises the error of the tree that says what is wrong."""
+        if self.group_size != job.group_size:
+            raise ProtocolError(
+                f"job {self.job_id} was leased with G = {job.group_size}, "
+                f"got {self.group_size} completions"
+            )
+        if list(self.prompt_ids) != job.prompt_ids:
+            raise ProtocolError(
+                f"job {self.job_id}: prompt_ids are not the job's prompt (generate from the "
+                "ids the lease carried; never re-encode the text)"
+            )
+        if (newest := max(self.versions)) > latest_version:
+            raise ProtocolError(
+                f"version {newest} is newer than the latest published ({latest_version})"
+            )
+        if (bad := self.max_token[0]) >= vocab_size:
+            raise Unprocessable(
+                f"completions[{self.max_token[1]}]: token id {bad} is outside the vocabulary "
+                f"(size {vocab_size})"
+            )
 
 
 class JobState(_Wire):

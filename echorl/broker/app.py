@@ -42,6 +42,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
         reaper = asyncio.create_task(expire_forever(st))
         yield
         reaper.cancel()
+        st.parser.close()
         st.verifier.close()  # its last verdicts go through the writer
         st.writer.close()
         st.store.close()
@@ -77,8 +78,10 @@ PUSHES = ("/v1/rollouts", "/v1/rollouts/batch")
 
 class Gate:
     """Before any route reads a byte of the body: every /v1 call carries a token somebody
-    holds (401 otherwise), and no body exceeds the limit (413), whether it announces its
-    length or streams it chunked (counted as it arrives). A push is read whole, then
+    holds (401 otherwise), a sampler calls no more often than `broker.sampler_calls_per_s`
+    (429), and no body exceeds the limit (413), whether it announces its length or streams
+    it chunked (counted as it arrives). A push's bytes are held against the sampler's and
+    everyone's bound (`Intake`: 429 beyond, the body unread), the push is read whole, then
     waits for one of `broker.push_slots`: however many samplers push at once, only so many
     are in progress, so the event loop stays quick for the trainer and the leases (and a
     push on a slow link holds no slot while it uploads)."""
@@ -96,13 +99,19 @@ class Gate:
         size = headers.get(b"content-length", b"").decode("latin-1")
         if size and (not size.isdigit() or int(size) > limit):
             return await too_large(f"body of {size} bytes exceeds", limit)(scope, receive, send)
+        who = "trainer"
         if path.startswith("/v1/"):
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             try:
-                st.auth.identify(token if scheme.lower() == "bearer" and token else None)
+                caller = st.auth.identify(token if scheme.lower() == "bearer" and token else None)
             except Unauthorized as e:
                 reply = JSONResponse({"detail": str(e)}, 401, {"WWW-Authenticate": "Bearer"})
                 return await reply(scope, receive, send)
+            if caller.sampler_id is not None:
+                who = caller.sampler_id
+                if wait := st.calls.take(who, time.monotonic()):
+                    why = f"sampler {who} calls more often than broker.sampler_calls_per_s"
+                    return await too_many(why, wait)(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -115,20 +124,43 @@ class Gate:
 
         if path not in PUSHES:
             return await self.app(scope, counted, send)
+        # A body that says its length holds all of it before a byte is read; a chunked one,
+        # each chunk as it arrives.
+        held = int(size) if size else 0
+        if not st.intake.take(who, held):
+            return await too_many(BUSY, 1.0)(scope, receive, send)
         read = []
         try:
             while not read or read[-1].get("more_body", False):
                 read.append(await counted())
                 if read[-1]["type"] != "http.request":  # the client went away
                     break
+                if not size:
+                    chunk = len(read[-1].get("body", b""))
+                    if not st.intake.take(who, chunk):
+                        return await too_many(BUSY, 1.0)(scope, receive, send)
+                    held += chunk
+
+            async def replay():
+                return read.pop(0) if read else await receive()
+
+            async with st.push_slots:
+                await self.app(scope, replay, send)
         except HTTPException:
             return await too_large("body exceeds", limit)(scope, receive, send)
+        finally:
+            read.clear()
+            st.intake.give(who, held)
 
-        async def replay():
-            return read.pop(0) if read else await receive()
 
-        async with st.push_slots:
-            await self.app(scope, replay, send)
+BUSY = (
+    "push bodies in flight exceed what this sampler or the broker may hold "
+    "(broker.push_bytes_per_sampler, broker.push_bytes_in_flight); try again"
+)
+
+
+def too_many(why: str, retry_after: float) -> JSONResponse:
+    return JSONResponse({"detail": why}, 429, {"Retry-After": str(max(1, round(retry_after)))})
 
 
 def too_large(what: str, limit: int) -> JSONResponse:

@@ -136,11 +136,11 @@ TRAINER = require()
 
 
 class RateLimit:
-    """Token buckets by key: `per_minute` calls a minute after a burst of as many (0 = no
+    """Token buckets by key: `per_s` calls a second after a burst of `burst` (rate 0: no
     limit). Keys idle long enough to be full again are forgotten, so the table stays small."""
 
-    def __init__(self, per_minute: float):
-        self.rate, self.burst = per_minute / 60.0, max(1.0, per_minute)
+    def __init__(self, per_s: float, burst: float):
+        self.rate, self.burst = per_s, max(1.0, burst)
         self.buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, when)
 
     def take(self, key: str, now: float) -> float:

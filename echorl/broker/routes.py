@@ -25,15 +25,17 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from echorl.broker.auth import ANYONE, ENROL, SAMPLER, TRAINER, Caller, new_credential
+from echorl.broker.intake import Parsed
 from echorl.broker.state import BrokerState
 from echorl.protocol import (
     MAX_ID,
     AckReply,
     AckRequest,
+    Arrival,
     AuditLease,
     AuditLeaseRequest,
     AuditReply,
@@ -90,7 +92,7 @@ State = Depends(state)
 
 
 @router.get("/healthz")
-def healthz() -> dict:
+async def healthz() -> dict:  # async: answered on the loop, never queued for a thread
     return {"ok": True}
 
 
@@ -108,15 +110,21 @@ def run_info(st: BrokerState = State) -> RunInfo:
 
 
 @router.post("/v1/samplers")
-def register(
+async def register(
     info: SamplerInfo, request: Request, caller: Caller = ENROL, st: BrokerState = State
 ) -> RegisterReply:
     st.check_peer("sampler", info.tokenizer, info.task)
     address = request.client.host if request.client else ""
     st.may_register(caller.operator, address)
     credential, secret = new_credential()
-    sampler_id = st.store.register(
-        info, time.time(), secret, st.cfg.broker.max_samplers, caller.operator, address
+    sampler_id = await st.write(
+        st.store.register,
+        info,
+        time.time(),
+        secret,
+        st.cfg.broker.max_samplers,
+        caller.operator,
+        address,
     )
     st.auth.admit(sampler_id, secret)
     log.info(
@@ -135,24 +143,30 @@ def register(
     )
 
 
+# The samplers' routes are async and write through the writer's samplers lane: however many
+# calls a swarm makes, they never take the server's threads from the trainer's routes.
+
+
 @router.post("/v1/samplers/{sampler_id}/heartbeat")
-def heartbeat(
+async def heartbeat(
     body: HeartbeatRequest,
     sampler_id: str = SamplerId,
     caller: Caller = SAMPLER,
     st: BrokerState = State,
 ) -> HeartbeatReply:
     caller.acts_as(sampler_id)
-    st.store.heartbeat(sampler_id, time.time(), body.version_held, body.tokens_per_s)
+    await st.write(
+        st.store.heartbeat, sampler_id, time.time(), body.version_held, body.tokens_per_s
+    )
     return HeartbeatReply(latest_version=st.store.latest_version())
 
 
 @router.post("/v1/samplers/{sampler_id}/leave")
-def leave(
+async def leave(
     sampler_id: str = SamplerId, caller: Caller = SAMPLER, st: BrokerState = State
 ) -> LeaveReply:
     caller.acts_as(sampler_id)
-    returned = st.store.leave(sampler_id)
+    returned = await st.write(st.store.leave, sampler_id)
     st.auth.forget(sampler_id)
     if returned:
         st.jobs_bell.ring()
@@ -208,25 +222,24 @@ async def lease(
     return LeaseReply(jobs=jobs, latest_version=version, latest=st.stored_version(version))
 
 
-async def parsed(request: Request, model: type[M]) -> M:
-    """The body as `model`, parsed by pydantic's own JSON parser (the hot routes: no detour
-    through Python objects); invalid: 422 with the reasons, as for every other route."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise RequestValidationError(e.errors(include_input=False)) from None
+async def arrivals(request: Request, st: BrokerState, many: bool) -> Parsed:
+    """The push's groups, parsed in a parser process (`broker/intake.py`: a big body never
+    holds up the event loop); invalid: 422 with the reasons, as for every other route."""
+    parsed = await st.parser.parse(await request.body(), many)
+    if isinstance(parsed, list):
+        raise RequestValidationError(parsed)
+    return parsed
 
 
 @router.post("/v1/rollouts", openapi_extra=body_schema(PushRequest))
 async def push(request: Request, caller: Caller = SAMPLER, st: BrokerState = State) -> PushReply:
     """Stored durably and answered at once; the verifier pool scores it later."""
-    body = await parsed(request, PushRequest)
-    caller.acts_as(body.sampler_id)
-    st.check_completions(body.group)
+    sampler_id, (group,) = await arrivals(request, st, many=False)
+    caller.acts_as(sampler_id)
     now = time.time()
-    seed = await st.write(st.store.push, body.sampler_id, body.group, now)
+    seed = await st.write(st.store.push, sampler_id, group, now)
     if seed is not None:
-        st.verify_later(seed, now, body.group, body.sampler_id)
+        st.verify_later(seed, now, group, sampler_id)
     return PushReply(stored=seed is not None)
 
 
@@ -235,25 +248,24 @@ async def push_many(
     request: Request, caller: Caller = SAMPLER, st: BrokerState = State
 ) -> PushManyReply:
     """Many groups, one transaction; each is accepted or refused on its own."""
-    body = await parsed(request, PushManyRequest)
-    caller.acts_as(body.sampler_id)
+    sampler_id, groups = await arrivals(request, st, many=True)
+    caller.acts_as(sampler_id)
     now = time.time()
-    sized, results = [], {}
-    for group in body.groups:
-        try:
-            st.check_completions(group)
-            sized.append(group)
-        except ProtocolError as e:
-            results[group.job_id] = PushResult(job_id=group.job_id, stored=False, refused=str(e))
-    outcome = await st.write(st.store.push_many, body.sampler_id, sized, now)
+    sized = [g for g in groups if isinstance(g, Arrival)]
+    results = {
+        job_id: PushResult(job_id=job_id, stored=False, refused=why)
+        for job_id, why in (g for g in groups if not isinstance(g, Arrival))
+    }
+    outcome = await st.write(st.store.push_many, sampler_id, sized, now)
     for group, ok in zip(sized, outcome):
         if isinstance(ok, int):
-            st.verify_later(ok, now, group, body.sampler_id)
+            st.verify_later(ok, now, group, sampler_id)
         refused = ok if isinstance(ok, str) else None
         results[group.job_id] = PushResult(
             job_id=group.job_id, stored=isinstance(ok, int), refused=refused
         )
-    return PushManyReply(results=[results[g.job_id] for g in body.groups])
+    order = [g.job_id if isinstance(g, Arrival) else g[0] for g in groups]
+    return PushManyReply(results=[results[job_id] for job_id in order])
 
 
 # -- trainer ----------------------------------------------------------------------------------

@@ -18,23 +18,24 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from echorl.broker.auth import Auth, RateLimit
+from echorl.broker.intake import Limits, PushParser
 from echorl.broker.store import Admission, BrokerStore, Probation, Quarantine
 from echorl.broker.weights import WeightStore
 from echorl.broker.writer import Writer
 from echorl.config import ModelConfig, RunConfig
 from echorl.models.tokenizer import RunTokenizer, TokenizerError
 from echorl.protocol import (
+    Arrival,
     GroupAudit,
     NotFound,
     ProtocolError,
     RunInfo,
     ScoredGroup,
     TooMany,
-    Unprocessable,
     WeightVersion,
 )
-from echorl.rollout.verify import Verdict, VerifierPool, VerifierSpec
-from echorl.tasks import Environment, Task, get_task, is_environment
+from echorl.rollout.verify import StoredGroup, Verdict, VerifierPool, VerifierSpec
+from echorl.tasks import Environment, Task, get_task
 
 T = TypeVar("T")
 log = logging.getLogger("echorl.broker")
@@ -77,6 +78,31 @@ class Bell:
                 await asyncio.wait_for(rung.wait(), left)
             except TimeoutError:
                 return result
+
+
+class Intake:
+    """Bytes of push bodies held at once, in all and per sampler: what a flood of big
+    pushes can hold of the broker's memory is bounded (the rest are refused, 429, before
+    their bodies are read)."""
+
+    def __init__(self, total: int, per_sampler: int):
+        self.total, self.per_sampler = total, per_sampler
+        self.held: dict[str, int] = {}
+        self.all = 0
+
+    def take(self, who: str, n: int) -> bool:
+        """Hold `n` more bytes for `who`, if both bounds allow (nothing held otherwise)."""
+        mine = self.held.get(who, 0)
+        if self.all + n > self.total or mine + n > self.per_sampler:
+            return False
+        self.held[who], self.all = mine + n, self.all + n
+        return True
+
+    def give(self, who: str, n: int) -> None:
+        left = self.held.pop(who, 0) - n
+        if left > 0:
+            self.held[who] = left
+        self.all -= n
 
 
 class Metrics:
@@ -133,13 +159,16 @@ class BrokerState:
     groups_bell: Bell  # the trainer waits for ready groups (a push, an expired pull)
     audits_bell: Bell  # auditors wait for consumed groups to audit (an ack, a new version)
     verifier: VerifierPool  # the broker's own rewards, off the request path
+    parser: PushParser  # push bodies parsed off the server's process
     # Store calls of the hot routes run on one writer thread, batched into group commits;
     # the trainer's lane goes first (sampler traffic never queues in front of it).
     writer: Writer
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
     # Registrations per enrolment token and per client address (a sybil's identities).
-    registrations: RateLimit = field(default_factory=lambda: RateLimit(0))
+    registrations: RateLimit = field(default_factory=lambda: RateLimit(0, 1))
+    calls: RateLimit = field(default_factory=lambda: RateLimit(0, 1))  # per sampler
+    intake: Intake = field(default_factory=lambda: Intake(1 << 40, 1 << 40))  # push bodies
 
     @cached_property
     def probation(self) -> Probation | None:
@@ -196,14 +225,19 @@ class BrokerState:
         """`fn(*args)` in the trainer's lane of the writer; returns once committed."""
         return await asyncio.wrap_future(self.writer.trainer.submit(fn, *args))
 
-    def verify_later(self, seed: int, created: float, group: ScoredGroup, who: str = "") -> None:
+    def verify_later(
+        self, seed: int, created: float, group: Arrival | ScoredGroup, who: str = ""
+    ) -> None:
         """Score a stored group in the verifier pool: the sampler's claims are never trusted.
         (Its token ids were checked against the vocabulary when it was stored.) `who`: the
         sampler that pushed it; the pool serves samplers in turn, so one whose groups hang
         the verifier delays nobody else's."""
-        self.verifier.submit(
-            (group.job_id, created), seed, group.completions, self.on_scored, key=who
+        completions = (
+            StoredGroup(group.body, group.group_size)  # parsed by the worker that scores it
+            if isinstance(group, Arrival)
+            else group.completions
         )
+        self.verifier.submit((group.job_id, created), seed, completions, self.on_scored, key=who)
 
     def on_scored(self, pairs: list[tuple[tuple[int, float], Verdict]]) -> None:
         """Verdicts scored together (on the pool's thread, as soon as they are), stored in one
@@ -245,44 +279,6 @@ class BrokerState:
         if quarantined:
             self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again
         return quarantined
-
-    def check_completions(self, group: ScoredGroup) -> None:
-        """No completion longer than the run lets a sampler generate (Unprocessable): the
-        task's `max_new_tokens` (or sampling.max_new_tokens), or for an environment its
-        `max_turns` turns of `max_action_tokens` (observations are checked by replay). A
-        single-turn task's completions carry no `turns`: all of it is the model's, so the
-        tokens scored are the tokens trained on and audited."""
-        task = self.task
-        for k, c in enumerate(group.completions):
-            if self.multi_turn:
-                turns = c.turns or []
-                model = sum(t.end - t.start for t in turns)
-                if len(turns) > task.max_turns or model > task.max_turns * task.max_action_tokens:
-                    raise Unprocessable(
-                        f"completions[{k}]: {len(turns)} turns of {model} tokens, but "
-                        f"{task.name} allows {task.max_turns} of {task.max_action_tokens}"
-                    )
-            elif c.turns is not None:
-                # The loss and the audit train only a model turn's tokens; the verifier reads
-                # them all. Turns a single-turn task never makes would credit the model for
-                # text marked as the environment's (an answer behind a lone eos).
-                raise Unprocessable(
-                    f"completions[{k}]: turns on a single-turn task ({task.name}); every "
-                    "token of its completion is the model's"
-                )
-            elif len(c.token_ids) > (limit := self.max_new_tokens):
-                raise Unprocessable(
-                    f"completions[{k}]: {len(c.token_ids)} tokens, but the run generates at "
-                    f"most {limit} (max_new_tokens)"
-                )
-
-    @cached_property
-    def multi_turn(self) -> bool:  # is_environment is a slow protocol check: asked once
-        return is_environment(self.task)
-
-    @cached_property
-    def max_new_tokens(self) -> int:
-        return self.cfg.sampling.max_new_tokens or self.task.max_new_tokens
 
     def stored_version(self, version: int) -> WeightVersion | None:
         """`version`'s WeightVersion, or None (none yet, or forgotten by a rewind just now)."""
@@ -387,6 +383,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         raise
     # The task loaded here already; its workers start in the background (/healthz answers).
     verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers, wait=False)
+    parser = PushParser(Limits.of(task, cfg))
     metrics = Metrics()
     metrics.latest.set(store.latest_version())
     st = BrokerState(
@@ -405,11 +402,17 @@ def build_state(cfg: RunConfig) -> BrokerState:
             pin_version=b.mode == "sync",
         ),
         metrics=metrics,
-        registrations=RateLimit(b.registrations_per_minute),
+        registrations=RateLimit(b.registrations_per_minute / 60, b.registrations_per_minute),
+        calls=RateLimit(b.sampler_calls_per_s, 2 * b.sampler_calls_per_s),
+        intake=Intake(
+            b.push_bytes_in_flight or 8 * b.max_body_bytes,
+            b.push_bytes_per_sampler or 2 * b.max_body_bytes,
+        ),
         jobs_bell=Bell(),
         groups_bell=Bell(),
         audits_bell=Bell(),
         verifier=verifier,
+        parser=parser,
         writer=Writer(store),
         push_slots=asyncio.Semaphore(b.push_slots),
     )

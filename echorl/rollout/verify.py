@@ -59,7 +59,7 @@ from typing import Any
 from echorl.config import RunConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion
-from echorl.rollout.verify_worker import Verdict, Wire, Work, serve
+from echorl.rollout.verify_worker import StoredGroup, Verdict, Wire, Work, serve
 
 log = logging.getLogger("echorl.verify")
 
@@ -98,7 +98,9 @@ def _size(work: Work) -> int:
     return len(work[2]) if work[0] == "score" else 1
 
 
-def _wire(completions: list[Completion]) -> Wire:
+def _wire(completions: list[Completion] | StoredGroup) -> Wire | StoredGroup:
+    if isinstance(completions, StoredGroup):
+        return completions
     turns = lambda c: None if c.turns is None else [(t.start, t.end, t.version) for t in c.turns]  # noqa: E731
     return [(list(c.token_ids), turns(c)) for c in completions]
 
@@ -357,7 +359,7 @@ class VerifierPool:
         self,
         tag: Any,
         seed: int,
-        completions: list[Completion],
+        completions: list[Completion] | StoredGroup,
         done: Done,
         format_reward: float | None = None,
         key: Hashable = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import math
 import resource
 import signal
@@ -25,6 +26,25 @@ if TYPE_CHECKING:
 GAMES_HELD = 4096  # live games a worker keeps; one forgotten is replayed when asked again
 
 Wire = list[tuple[list[int], list[tuple[int, int, int]] | None]]  # token ids, turns
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """A group's completions as the broker stored them: its JSON, parsed by the worker that
+    scores it (the broker's process never builds their token lists). It was validated on
+    arrival."""
+
+    body: str
+    size: int  # completions
+
+    def __len__(self) -> int:
+        return self.size
+
+    def wire(self) -> Wire:
+        turns = lambda c: c["turns"] and [(t["start"], t["end"], t["version"]) for t in c["turns"]]  # noqa: E731
+        return [(c["token_ids"], turns(c)) for c in json.loads(self.body)["completions"]]
+
+
 # What a worker is sent per item: ("score", seed, Wire, format_reward), or
 # ("step", seed, (game key, actions so far), 0.0) for one more turn of a live game.
 Work = tuple[str, int, Any, float]
@@ -116,7 +136,9 @@ def _started(clock, k: int) -> None:
     clock[2], clock[0] = k, time.monotonic()  # the position first: the parent reads it second
 
 
-def _score(task, spec: VerifierSpec, seed: int, wire: Wire, fr: float, skip, clock) -> Verdict:
+def _score(
+    task, spec: VerifierSpec, seed: int, wire: Wire | StoredGroup, fr: float, skip, clock
+) -> Verdict:
     """One group's verdict. A completion in `skip` (index -> kind) scores 0 as that kind
     unasked: a call on it overran or crashed before. A verifier that raises scores 0 as
     `error`, its first traceback kept."""
@@ -126,7 +148,7 @@ def _score(task, spec: VerifierSpec, seed: int, wire: Wire, fr: float, skip, clo
     try:
         _started(clock, -1)
         problem = task.problem(seed)
-        for k, (ids, turns) in enumerate(wire):
+        for k, (ids, turns) in enumerate(wire.wire() if isinstance(wire, StoredGroup) else wire):
             if k in skip:
                 verdict.rewards.append(0.0)
                 verdict.failed[skip[k]] += 1

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -309,3 +310,138 @@ def test_a_liar_rotating_identities_is_quarantined_or_starved(tmp_path):
         assert all(s == "quarantined" for n, s, o in states if o == "mallory" and s != "lost")
     else:
         assert worst <= 2 / 6  # starved: 2 of a batch of 6 at most
+
+
+def rss_mb(pid) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+PROBE = """
+import sys, time, httpx
+with httpx.Client(base_url=sys.argv[1], timeout=30) as http:
+    while True:
+        t0 = time.perf_counter()
+        http.get("/healthz")
+        print(time.perf_counter() - t0, flush=True)
+        time.sleep(0.02)
+"""
+
+
+@contextlib.contextmanager
+def healthz_probe(url):
+    """/healthz latencies, measured from a process of their own (this one is busy sending)."""
+    latencies = []
+    probe = subprocess.Popen([sys.executable, "-c", PROBE, url], stdout=subprocess.PIPE, text=True)
+    try:
+        yield latencies
+    finally:
+        probe.terminate()
+        latencies += [float(x) for x in probe.communicate(timeout=30)[0].split()]
+
+
+def test_big_pushes_are_parsed_off_the_loop_and_held_within_a_bound(tmp_path):
+    """24 concurrent pushes of 16 MB from 4 samplers (before, 12 from one: /healthz 8.9 s,
+    RSS +293 MB): /healthz p99 stays under 100 ms, the bodies in flight stay within
+    `push_bytes_in_flight` (the rest are refused, 429, unread) and RSS grows by a bounded
+    multiple of it."""
+    mb = 1 << 20
+    proc, url = start_broker(
+        tmp_path / "b",
+        free_port(),
+        "-o",
+        f"broker.max_body_bytes={17 * mb}",
+        "-o",
+        f"broker.push_bytes_in_flight={4 * 17 * mb}",
+        "-o",
+        "broker.sampler_calls_per_s=0",
+    )
+    try:
+        publish(url, 0, b"w")
+        sids = [register(url, f"big{k}") for k in range(4)]
+        ids = list(range(2, 200)) * 4
+        c = {"token_ids": ids, "logprobs": [-0.5] * len(ids), "finished": True}
+        body = json.dumps(
+            {
+                "sampler_id": sids[0],
+                "groups": [group(k) | {"completions": [c, c]} for k in range(1000)],
+            }
+        ).encode()
+        body = body[: 16 * mb] if len(body) > 16 * mb else body
+        base = rss_mb(proc.pid)
+        peak, codes = [base], []
+
+        def push(sid):
+            own = body.replace(sids[0].encode(), sid.encode(), 1)
+            with contextlib.suppress(httpx.TransportError):  # refused before it was sent
+                r = httpx.post(
+                    f"{url}/v1/rollouts/batch",
+                    content=own,
+                    headers=as_(sid) | {"Content-Type": "application/json"},
+                    timeout=120,
+                )
+                codes.append(r.status_code)
+
+        pushers = [threading.Thread(target=push, args=(sids[k % 4],)) for k in range(24)]
+        with healthz_probe(url) as latencies:
+            time.sleep(1.0)  # the probe's interpreter is up
+            for t in pushers:
+                t.start()
+            while any(t.is_alive() for t in pushers):
+                peak.append(rss_mb(proc.pid))
+                time.sleep(0.05)
+            time.sleep(0.5)
+    finally:
+        stop_broker(proc)
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    grew = max(peak) - base
+    print(
+        f"body {len(body) / mb:.1f} MB x 24: healthz p99 {p99 * 1000:.0f} ms over "
+        f"{len(latencies)}; RSS +{grew:.0f} MB; answers {sorted(codes)}"
+    )
+    assert 429 in codes and any(code != 429 for code in codes)
+    assert p99 < 0.1
+    assert grew < 4 * 68  # a bounded multiple of the 68 MB in flight (parsing expands it)
+
+
+def test_a_heartbeat_flood_is_rate_limited_and_claims_are_checked(broker):
+    """One sampler's 60 connections beating as fast as they can: most are refused (429,
+    before any work), /healthz and the trainer's status stay quick; a version from the
+    future is refused (before: 2^62 accepted)."""
+    url, _ = broker
+    publish(url, 0, b"w")
+    sid = register(url, "flood")
+    claim = httpx.post(
+        f"{url}/v1/samplers/{sid}/heartbeat", json={"version_held": 2**62}, headers=as_(sid)
+    )
+    assert claim.status_code == 409 and "newer than the latest" in claim.text
+    stop, codes = threading.Event(), []
+
+    def beat():
+        with httpx.Client(base_url=url, headers=as_(sid), timeout=30) as http:
+            while not stop.is_set():
+                codes.append(http.post(f"/v1/samplers/{sid}/heartbeat", json={}).status_code)
+
+    flood = [threading.Thread(target=beat) for _ in range(60)]
+    with healthz_probe(url) as latencies:
+        time.sleep(1.0)  # the probe's interpreter is up
+        t_start = time.monotonic()
+        for t in flood:
+            t.start()
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        status = httpx.get(f"{url}/v1/status", headers=as_(TRAINER), timeout=30)
+        status_s = time.perf_counter() - t0
+        time.sleep(2.0)
+        stop.set()
+        for t in flood:
+            t.join()
+        took = time.monotonic() - t_start
+    p50 = statistics.median(latencies)
+    print(
+        f"{len(codes)} beats in {took:.1f} s: {codes.count(200)} answered, {codes.count(429)} refused; "
+        f"healthz p50 {p50 * 1000:.0f} ms; status {status_s * 1000:.0f} ms"
+    )
+    assert status.status_code == 200
+    assert codes.count(200) <= 100 * took + 200  # the rate (100/s) and its burst
+    assert p50 < 0.05 and status_s < 1.0

@@ -1,0 +1,132 @@
+"""Pushes parsed in a process of their own, so a big one never stalls the server.
+
+pydantic parses and validates a push in Rust, holding the interpreter lock all the while:
+a 16 MB push is a few hundred milliseconds in which the server's event loop answers
+nobody (/healthz, the trainer's pull), whatever thread does the parsing. Here a pool of
+`workers` spawned processes parses each push body, applies the rules that need only the
+run's settings (`Limits.check`: no completion longer than the run generates; turns only
+where the task makes them) and hands back one `Arrival` per group: the few numbers the
+store checks against the job, and the group's JSON, which is stored as it is and which the
+verifier parses in its own process. The server's process moves bytes and never builds a
+big group's token lists.
+
+    parser = PushParser(Limits.of(task, cfg))
+    sampler_id, arrivals = await parser.parse(body, many=True)   # or (job id, why refused)
+    parser.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from echorl.config import RunConfig
+from echorl.protocol import (
+    Arrival,
+    ProtocolError,
+    PushManyRequest,
+    PushRequest,
+    ScoredGroup,
+    Unprocessable,
+)
+from echorl.tasks import Environment, Task, is_environment
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a group's completions may be, from the run's task and settings alone."""
+
+    task: str
+    max_new_tokens: int  # single-turn: tokens per completion
+    max_turns: int = 0  # multi-turn: model turns per episode (0: single-turn)
+    max_action_tokens: int = 0  # and tokens per turn
+
+    @classmethod
+    def of(cls, task: Task | Environment, cfg: RunConfig) -> Limits:
+        if is_environment(task):
+            return cls(task.name, 0, task.max_turns, task.max_action_tokens)
+        return cls(task.name, cfg.sampling.max_new_tokens or task.max_new_tokens)
+
+    def check(self, group: ScoredGroup) -> None:
+        """No completion longer than the run lets a sampler generate (Unprocessable): the
+        task's `max_new_tokens` (or sampling.max_new_tokens), or for an environment its
+        `max_turns` turns of `max_action_tokens` (observations are checked by replay). A
+        single-turn task's completions carry no `turns`: all of it is the model's, so the
+        tokens scored are the tokens trained on and audited."""
+        for k, c in enumerate(group.completions):
+            if self.max_turns:
+                turns = c.turns or []
+                model = sum(t.end - t.start for t in turns)
+                if len(turns) > self.max_turns or model > self.max_turns * self.max_action_tokens:
+                    raise Unprocessable(
+                        f"completions[{k}]: {len(turns)} turns of {model} tokens, but "
+                        f"{self.task} allows {self.max_turns} of {self.max_action_tokens}"
+                    )
+            elif c.turns is not None:
+                # The loss and the audit train only a model turn's tokens; the verifier reads
+                # them all. Turns a single-turn task never makes would credit the model for
+                # text marked as the environment's (an answer behind a lone eos).
+                raise Unprocessable(
+                    f"completions[{k}]: turns on a single-turn task ({self.task}); every "
+                    "token of its completion is the model's"
+                )
+            elif len(c.token_ids) > self.max_new_tokens:
+                raise Unprocessable(
+                    f"completions[{k}]: {len(c.token_ids)} tokens, but the run generates at "
+                    f"most {self.max_new_tokens} (max_new_tokens)"
+                )
+
+
+# The sampler's id, and each group's arrival or (its job id, why it is refused).
+Parsed = tuple[str, list[Arrival | tuple[int, str]]]
+
+
+def parse(body: bytes, many: bool, limits: Limits) -> Parsed | list[dict]:
+    """A push body's groups, each checked against `limits`; the validation errors (as
+    pydantic lists them, without the input) when the body is malformed."""
+    try:
+        if many:
+            request = PushManyRequest.model_validate_json(body)
+            sampler_id, groups = request.sampler_id, request.groups
+        else:
+            request = PushRequest.model_validate_json(body)
+            sampler_id, groups = request.sampler_id, [request.group]
+    except ValidationError as e:
+        return e.errors(include_input=False, include_url=False, include_context=False)
+    out: list[Arrival | tuple[int, str]] = []
+    for group in groups:
+        try:
+            limits.check(group)
+            out.append(Arrival.of(group))
+        except ProtocolError as e:
+            if not many:
+                raise
+            out.append((group.job_id, str(e)))
+    return sampler_id, out
+
+
+def _nice() -> None:
+    os.nice(5)  # below the server: parsing waits for /healthz and the trainer, not the reverse
+
+
+class PushParser:
+    """`workers` processes that parse push bodies (see the module docstring)."""
+
+    def __init__(self, limits: Limits, workers: int = 1):
+        self.limits = limits
+        self.pool = ProcessPoolExecutor(
+            workers, mp_context=mp.get_context("spawn"), initializer=_nice
+        )
+
+    async def parse(self, body: bytes, many: bool) -> Parsed | list[dict]:
+        """`parse(body)` in a parser process; a refused single push raises its error."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, parse, body, many, self.limits)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
