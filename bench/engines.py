@@ -1,7 +1,7 @@
 """The sampler's engines side by side: generation speed, weight swaps, bytes on the wire and
 log-prob mismatch against the trainer, per backend and tiny-model preset.
 
-    .venv-vllm/bin/python bench/engines.py            # hf and vllm (README: Real engines)
+    .venv-engines/bin/python bench/engines.py            # hf and vllm (README: Real engines)
     python bench/engines.py --presets 1m              # hf alone where vLLM is not installed
 
 For each preset (random weights: completions run to `--new-tokens`):

@@ -417,7 +417,13 @@ def _sampler_backend(cfg: RunConfig):
             console.print("[red]--endpoint:[/red] the openai backend needs its server's URL")
             raise typer.Exit(2)
         try:
-            return OpenAIBackend(cfg.sampler.endpoint, run_tokenizer(cfg.model), lora, keep)
+            return OpenAIBackend(
+                cfg.sampler.endpoint,
+                run_tokenizer(cfg.model),
+                lora,
+                keep,
+                dtype=cfg.sampler.dtype,
+            )
         except ServerRefused as e:
             console.print(f"[red]sampler.backend = openai:[/red] {escape(str(e))}")
             raise typer.Exit(2) from None

@@ -470,6 +470,13 @@ class RaySettings(_Section):
     broker: RayRole = Field(default_factory=RayRole)
     trainer: RayRole = Field(default_factory=RayRole)
     sampler: RayRole = Field(default_factory=RayRole)
+    broker_wait_s: float = Field(
+        120.0,
+        ge=1.0,
+        le=86400.0,
+        description="how long the launcher waits for the broker's actor to answer /healthz "
+        "(its placement, its node's imports and its start; a busy small head node is slow)",
+    )
 
 
 class LaunchConfig(_Section):

@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# The default test suite (skips tests marked slow). Extra arguments go to pytest.
+# The test suite, what CI runs: the default suite (skips tests marked slow), then the engines
+# stage (scripts/test_engines.sh: vLLM and Ray in a venv of their own; ECHORL_TEST_ENGINES=0
+# skips it). Extra arguments go to the default suite's pytest, and skip the engines stage.
 source "$(dirname "$0")/_venv.sh"
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@"
+if [ $# -eq 0 ] && [ "${ECHORL_TEST_ENGINES:-1}" != 0 ]; then
+  bash scripts/test_engines.sh
+fi

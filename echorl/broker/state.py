@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from echorl.broker.auth import Auth, RateLimit
 from echorl.broker.intake import Limits, PushParser
-from echorl.broker.store import Admission, BrokerStore, Probation, Quarantine
+from echorl.broker.store import Admission, BrokerStore, Probation
+from echorl.broker.swarm import Quarantine
 from echorl.broker.weights import WeightStore
 from echorl.broker.writer import Writer
 from echorl.config import ModelConfig, RunConfig

@@ -1,4 +1,5 @@
-"""The broker's durable state in one SQLite file (WAL): samplers, jobs, rollouts, versions.
+"""The broker's durable state in one SQLite file (WAL): samplers, jobs, rollouts, versions
+(the samplers' and operators' part is `swarm.SwarmBook`, this class's base).
 
 Every method is one transaction, so a crash at any point leaves either the
 state before it or the state after it, and a method that returns has made its
@@ -34,26 +35,21 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-import statistics
 import threading
-import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from echorl.broker.swarm import RETRY, SwarmBook, quarantined
 from echorl.protocol import (
     MAX_PROMPT_TOKENS,
     Arrival,
-    Forbidden,
-    GroupAudit,
     Job,
     JobState,
     NotFound,
     ProtocolError,
-    SamplerInfo,
     ScoredGroup,
-    TooMany,
 )
 from echorl.seeding import derive_seed
 from echorl.tasks import Problem, is_heldout
@@ -110,55 +106,6 @@ MIGRATIONS = (
     ("jobs", "extra", "INTEGER NOT NULL DEFAULT 0"),
 )
 
-# A job tried again: an attempt counted, parked after `max_attempts` (the one parameter).
-RETRY = (
-    "state = CASE WHEN attempts + 1 >= ? THEN 'parked' ELSE 'queued' END, "
-    "attempts = attempts + 1, lease_owner = NULL, lease_deadline = NULL"
-)
-
-
-@dataclass(frozen=True)
-class Quarantine:
-    """When the trainer's log-probs of a sampler's tokens disagree with the sampler's own
-    beyond what honest samplers show (README: Trust, for the measurements)."""
-
-    min_tokens: int  # audited tokens (all of them) before any verdict
-    max_mean_abs: float  # mean |trainer - sampler| per token
-    max_kl: float  # |mean (sampler - trainer)|: an honest sampler's estimate of KL >= 0 is ~0
-    max_beyond: float  # fraction of tokens with |trainer - sampler| > the audit tolerance
-    decay: float
-
-    def verdict(
-        self, total: int, tokens: float, abs_sum: float, kl: float, beyond: float
-    ) -> str | None:
-        """Why a sampler is quarantined (None: it is not), from its audited token count and
-        its decayed sums."""
-        if total < self.min_tokens or tokens <= 0:
-            return None
-        if abs(kl / tokens) > self.max_kl:
-            side = "higher" if kl > 0 else "lower"
-            return (
-                f"its log-probs are {abs(kl / tokens):.3f} per token {side} than the trainer's, "
-                f"beyond what honest samplers show (bound {self.max_kl})"
-            )
-        if abs_sum / tokens > self.max_mean_abs:
-            return (
-                f"its log-probs differ from the trainer's by {abs_sum / tokens:.3f} per token "
-                f"more than honest samplers' on average (bound {self.max_mean_abs})"
-            )
-        if beyond / tokens > self.max_beyond:
-            return (
-                f"{beyond / tokens:.1%} more of its tokens' log-probs are far from the "
-                f"trainer's than honest samplers' (bound {self.max_beyond:.1%})"
-            )
-        return None
-
-
-def _quarantined(c, sampler_id: str) -> Forbidden:
-    row = c.execute("SELECT reason FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
-    return Forbidden(f"sampler {sampler_id} is quarantined: {row[0] if row else '?'}")
-
-
 WIRE = {"rewards", "sampler"}  # what a stored body leaves out: added when it is served
 
 
@@ -195,7 +142,7 @@ ProblemFn = Callable[[int], Problem]  # job seed -> problem (the task's own `pro
 EncodeFn = Callable[[str], list[int]]  # prompt text -> ids in the run's tokenizer and format
 
 
-class BrokerStore:
+class BrokerStore(SwarmBook):
     def __init__(
         self,
         path: str | Path,
@@ -298,186 +245,6 @@ class BrokerStore:
         self._tx(fn)
         self._latest = version
 
-    # -- samplers -----------------------------------------------------------------------------
-
-    def register(
-        self,
-        info: SamplerInfo,
-        now: float,
-        secret: str = "",
-        max_alive: int | None = None,
-        operator: str = "",
-        address: str = "",
-    ) -> str:
-        """A new sampler's id. `secret`: the sha256 of its credential (what it authenticates
-        with from now on); `operator`: whose enrolment token registered it ('' = the shared
-        one). Refused (TooMany) when `max_alive` samplers are alive already, and (Forbidden)
-        for an operator the audit quarantined or the admin revoked."""
-        sampler_id = uuid.uuid4().hex[:16]
-
-        def fn(c):
-            if operator:
-                state, reason = c.execute(
-                    "SELECT state, reason FROM operators WHERE name = ?", (operator,)
-                ).fetchone()
-                if state != "active":
-                    raise Forbidden(f"operator {operator} is {state}: {reason}")
-            alive = c.execute("SELECT COUNT(*) FROM samplers WHERE state = 'alive'").fetchone()[0]
-            if max_alive is not None and alive >= max_alive:
-                raise TooMany(
-                    f"{alive} samplers are registered and alive (broker.max_samplers); "
-                    "try again later"
-                )
-            c.execute(
-                "INSERT INTO samplers (id, name, hardware, backend, max_batch, registered_at, "
-                "last_seen, secret, barred_until, state, operator, address) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 'alive', ?, ?)",
-                (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now)
-                + (secret, operator, address),
-            )
-
-        self._tx(fn)
-        return sampler_id
-
-    def add_operator(self, name: str, secret: str, now: float) -> None:
-        """A new operator, enrolling with the token whose sha256 is `secret` (ProtocolError:
-        the name is taken)."""
-
-        def fn(c):
-            if c.execute("SELECT 1 FROM operators WHERE name = ?", (name,)).fetchone():
-                raise ProtocolError(f"operator {name!r} exists already")
-            c.execute(
-                "INSERT INTO operators (name, secret, created_at, state) "
-                "VALUES (?, ?, ?, 'active')",
-                (name, secret, now),
-            )
-
-        self._tx(fn)
-
-    def operators(self) -> dict[str, str]:
-        """Enrolment token hash -> operator name, of every operator."""
-        return dict(self._tx(lambda c: c.execute("SELECT secret, name FROM operators").fetchall()))
-
-    def secrets(self) -> dict[str, str]:
-        """Credential hash -> sampler id, of every sampler that may still call (not left, not
-        revoked)."""
-        rows = self._tx(
-            lambda c: c.execute(
-                "SELECT secret, id FROM samplers WHERE state IN ('alive', 'lost') AND secret != ''"
-            ).fetchall()
-        )
-        return dict(rows)
-
-    def revoked(self) -> set[str]:
-        """Credential hashes of revoked samplers (refused with that reason)."""
-        rows = self._tx(
-            lambda c: c.execute("SELECT secret FROM samplers WHERE state = 'revoked'").fetchall()
-        )
-        return {r[0] for r in rows}
-
-    def revoke(self, sampler_id: str) -> int:
-        """Revoke a sampler: it may never call again; its leased jobs go back to the queue.
-        Returns how many were returned."""
-        return self._end(sampler_id, "revoked")
-
-    def heartbeat(
-        self,
-        sampler_id: str,
-        now: float,
-        version_held: int | None = None,
-        tokens_per_s: float | None = None,
-    ) -> None:
-        def fn(c):
-            row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
-            if row is None:
-                raise NotFound(f"unknown sampler {sampler_id!r}; register first")
-            if row[0] in ("left", "revoked"):
-                raise ProtocolError(f"sampler {sampler_id!r} has {row[0]}; register again")
-            if row[0] == "quarantined":
-                raise _quarantined(c, sampler_id)
-            latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()
-            if version_held is not None and version_held > latest[0]:
-                raise ProtocolError(
-                    f"version_held {version_held} is newer than the latest published "
-                    f"({latest[0]}): a sampler holds only versions it downloaded"
-                )
-            c.execute(
-                "UPDATE samplers SET last_seen = ?, state = 'alive', "
-                "version_held = COALESCE(?, version_held), tokens_per_s = COALESCE(?, tokens_per_s) "
-                "WHERE id = ?",
-                (now, version_held, tokens_per_s, sampler_id),
-            )
-
-        self._tx(fn)
-
-    def leave(self, sampler_id: str) -> int:
-        """A sampler leaves: its leased jobs go back to the queue at once (no attempt counted).
-        Returns how many were returned."""
-        return self._end(sampler_id, "left")
-
-    def _end(self, sampler_id: str, state: str) -> int:
-        def fn(c):
-            row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
-            if row is None:
-                raise NotFound(f"unknown sampler {sampler_id!r}")
-            if row[0] != "revoked":  # revoked stays revoked
-                c.execute("UPDATE samplers SET state = ? WHERE id = ?", (state, sampler_id))
-            return self._return_leases(c, sampler_id)
-
-        return self._tx(fn)
-
-    def expire(self, now: float, sampler_timeout: float, bar_s: float = 0.0) -> tuple[int, int]:
-        """Mark silent samplers lost and return expired leases to the queue. A sampler whose
-        lease ran out may lease nothing for `bar_s` (one that hoards leases and never pushes
-        holds jobs one lease period, then waits one), and starts its probation over; so do
-        all samplers of its operator (a new identity escapes neither). Returns (leases
-        returned, samplers lost)."""
-
-        def fn(c):
-            lost = c.execute(
-                "UPDATE samplers SET state = 'lost' WHERE state = 'alive' AND last_seen < ?",
-                (now - sampler_timeout,),
-            ).rowcount
-            expired = "SELECT lease_owner FROM jobs WHERE state = 'leased' AND lease_deadline < ?"
-            c.execute(
-                f"UPDATE operators SET barred_until = ? WHERE name IN (SELECT operator FROM "
-                f"samplers WHERE operator != '' AND id IN ({expired}))",
-                (now + bar_s, now),
-            )
-            c.execute(
-                f"UPDATE samplers SET barred_until = ?, delivered = 0 WHERE id IN ({expired})",
-                (now + bar_s, now),
-            )
-            returned = c.execute(
-                f"UPDATE jobs SET {RETRY} "
-                "WHERE state = 'leased' AND (lease_deadline < ? OR lease_owner IN "
-                "(SELECT id FROM samplers WHERE state != 'alive'))",
-                (self.max_attempts, now),
-            ).rowcount
-            c.execute(
-                "UPDATE rollouts SET state = 'ready', pull_deadline = NULL "
-                "WHERE state = 'pulled' AND pull_deadline < ?",
-                (now,),
-            )
-            return returned, lost
-
-        return self._tx(fn)
-
-    def prune(self, now: float, retention_s: float) -> list[str]:
-        """Forget samplers that left or were lost more than `retention_s` ago (their rows
-        would only grow: a swarm that comes and goes, or a flood of register-and-leave);
-        quarantined and revoked ones stay. Returns the ids forgotten."""
-
-        def fn(c):
-            gone = c.execute(
-                "DELETE FROM samplers WHERE state IN ('left', 'lost') AND last_seen < ? "
-                "RETURNING id",
-                (now - retention_s,),
-            ).fetchall()
-            return [r[0] for r in gone]
-
-        return self._tx(fn)
-
     # -- jobs ---------------------------------------------------------------------------------
 
     def check_run(self, identity: dict[str, str]) -> None:
@@ -552,7 +319,7 @@ class BrokerStore:
                 (sampler_id,),
             ).fetchone()
             if row is not None and row[0] == "quarantined":
-                raise _quarantined(c, sampler_id)
+                raise quarantined(c, sampler_id)
             if row is None or row[0] != "alive":
                 raise ProtocolError(f"sampler {sampler_id!r} is not registered and alive")
             if row[1] > now:  # a lease of it (or its operator's) ran out unpushed: it waits
@@ -716,7 +483,7 @@ class BrokerStore:
         state, owner, group_size, required, prompt_ids, seed = row
         who = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
         if who is not None and who[0] == "quarantined":
-            raise _quarantined(c, sampler_id)
+            raise quarantined(c, sampler_id)
         if c.execute("SELECT 1 FROM rollouts WHERE job_id = ?", (group.job_id,)).fetchone():
             return None
         if state != "leased" or owner != sampler_id:
@@ -892,196 +659,6 @@ class BrokerStore:
             ),
             "audits": dict(q("SELECT state, COUNT(*) FROM audits GROUP BY state").fetchall()),
         }
-
-    def samplers(self, limit: int = 1_000_000) -> list[dict]:
-        """The `limit` samplers most worth showing: the alive ones, then the quarantined and
-        revoked (with their reasons), then the most recently seen."""
-        cols = (
-            "id",
-            "name",
-            "hardware",
-            "backend",
-            "max_batch",
-            "last_seen",
-            "version_held",
-            "tokens_per_s",
-            "state",
-            "reason",
-            "audit_total",
-            "audit_abs / MAX(audit_tokens, 1)",
-            "audit_kl / MAX(audit_tokens, 1)",
-            "audit_beyond / MAX(audit_tokens, 1)",
-        )
-        names = (*cols[:-4], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
-        rank = "CASE state WHEN 'alive' THEN 0 WHEN 'quarantined' THEN 1 WHEN 'revoked' THEN 1 ELSE 2 END"
-        rows = self._tx(
-            lambda c: c.execute(
-                f"SELECT {', '.join(cols)} FROM samplers ORDER BY {rank}, last_seen DESC LIMIT ?",
-                (limit,),
-            ).fetchall()
-        )
-        return [dict(zip(names, r)) for r in rows]
-
-    def sampler_counts(self) -> dict[str, int]:
-        """Samplers by state, all of them."""
-        return dict(
-            self._tx(
-                lambda c: c.execute(
-                    "SELECT state, COUNT(*) FROM samplers GROUP BY state"
-                ).fetchall()
-            )
-        )
-
-    def audit(
-        self, audits: list[GroupAudit], policy: Quarantine, step: int
-    ) -> list[tuple[str, str]]:
-        """The trainer's check of the groups it trained on at `step`: its own log-probs of
-        their tokens against the sampler's. Each group is measured against what honest
-        samplers show for the same version: a group of version `step`, or one the trainer
-        scored under that version's own weights (`exact`), against 0 (honest: numerics
-        only); an older one scored under weights the trainer has since moved to, by as much
-        for every honest sampler of that version, against the median inexact group of that
-        version in this report (three or more of them; fewer, and it is no evidence). An
-        exact group never counts towards a median: a report whose groups of one version come
-        mostly from liars must not make the honest ones look off. Each sampler's
-        excess over the baselines accumulates (decayed by `policy.decay` per report it
-        appears in), and a sampler over the policy's bounds is quarantined: it leases and
-        pushes nothing more (403 with the reason), its leases and unconsumed groups go back
-        to the queue. A group counts once: one audited before (by the trainer or an
-        auditor, or in a report sent again) is skipped. Returns (sampler id, reason) of each
-        sampler quarantined now."""
-
-        def fn(c):
-            rows = []  # (sampler, version, tokens, abs/token, signed/token, beyond/token)
-            for a in audits:
-                row = c.execute(
-                    "SELECT sampler_id, version FROM rollouts WHERE job_id = ?", (a.job_id,)
-                ).fetchone()
-                if row is None:
-                    continue
-                first = c.execute(
-                    "INSERT INTO audits VALUES (?, NULL, 'done') ON CONFLICT (job_id) "
-                    "DO UPDATE SET state = 'done', lease_deadline = NULL WHERE state != 'done'",
-                    (a.job_id,),
-                ).rowcount
-                if first and a.tokens > 0:
-                    sid, version = row
-                    t = a.tokens
-                    # An exact audit's version is "current": its baseline is 0.
-                    key = step if a.exact else version
-                    rows.append((sid, key, t, a.abs_delta / t, a.kl / t, a.beyond / t))
-            baseline = {}
-            for version in {r[1] for r in rows}:
-                same = [r[3:] for r in rows if r[1] == version]
-                if version == step:
-                    baseline[version] = (0.0, 0.0, 0.0)
-                elif len(same) >= 3:
-                    baseline[version] = tuple(statistics.median(col) for col in zip(*same))
-            per: dict[str, list[float]] = {}
-            for sid, version, tokens, *figures in rows:
-                if version not in baseline:
-                    continue
-                acc = per.setdefault(sid, [0.0, 0.0, 0.0, 0.0])
-                acc[0] += tokens
-                for i, (x, b) in enumerate(zip(figures, baseline[version])):
-                    acc[i + 1] += (x - b) * tokens
-            quarantined = []
-            for sid, (tokens, abs_, kl, beyond) in per.items():
-                d = policy.decay
-                c.execute(
-                    "UPDATE samplers SET audit_total = audit_total + ?, "
-                    "audit_tokens = audit_tokens * ? + ?, "
-                    "audit_abs = audit_abs * ? + ?, audit_kl = audit_kl * ? + ?, "
-                    "audit_beyond = audit_beyond * ? + ? WHERE id = ?",
-                    (tokens, d, tokens, d, abs_, d, kl, d, beyond, sid),
-                )
-                state, total, *sums = c.execute(
-                    "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, "
-                    "audit_beyond FROM samplers WHERE id = ?",
-                    (sid,),
-                ).fetchone()
-                reason = policy.verdict(total, *sums)
-                if reason and state not in ("quarantined", "revoked"):
-                    self._quarantine(c, sid, reason)
-                    quarantined.append((sid, reason))
-            return quarantined + self._judge_operators(c, per, policy)
-
-        return self._tx(fn)
-
-    def _judge_operators(self, c, per: dict, policy: Quarantine) -> list[tuple[str, str]]:
-        """The audit's excess of each sampler (`per`: id -> tokens and summed excesses), also
-        summed over its operator's samplers, old and new: an operator over the bounds is
-        quarantined with every sampler it has, and may register none (a liar gains nothing
-        by changing identity before its own audited tokens add up)."""
-        by_operator: dict[str, list[float]] = {}
-        for sid, figures in per.items():
-            row = c.execute("SELECT operator FROM samplers WHERE id = ?", (sid,)).fetchone()
-            if row and row[0]:
-                acc = by_operator.setdefault(row[0], [0.0] * 4)
-                acc[:] = [a + f for a, f in zip(acc, figures)]
-        quarantined = []
-        d = policy.decay
-        for name, (tokens, abs_, kl, beyond) in by_operator.items():
-            c.execute(
-                "UPDATE operators SET audit_total = audit_total + ?, "
-                "audit_tokens = audit_tokens * ? + ?, audit_abs = audit_abs * ? + ?, "
-                "audit_kl = audit_kl * ? + ?, audit_beyond = audit_beyond * ? + ? WHERE name = ?",
-                (tokens, d, tokens, d, abs_, d, kl, d, beyond, name),
-            )
-            state, total, *sums = c.execute(
-                "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, audit_beyond "
-                "FROM operators WHERE name = ?",
-                (name,),
-            ).fetchone()
-            reason = policy.verdict(total, *sums)
-            if not reason or state != "active":
-                continue
-            reason = f"operator {name}: {reason}"
-            c.execute(
-                "UPDATE operators SET state = 'quarantined', reason = ? WHERE name = ?",
-                (reason, name),
-            )
-            for (sid,) in c.execute(
-                "SELECT id FROM samplers WHERE operator = ? AND state IN ('alive', 'lost')",
-                (name,),
-            ).fetchall():
-                self._quarantine(c, sid, reason)
-                quarantined.append((sid, reason))
-        return quarantined
-
-    @staticmethod
-    def _return_leases(c, sampler_id: str) -> int:
-        """`sampler_id`'s leased jobs back to the queue (no attempt counted); how many."""
-        return c.execute(
-            "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL "
-            "WHERE state = 'leased' AND lease_owner = ?",
-            (sampler_id,),
-        ).rowcount
-
-    @staticmethod
-    def _quarantine(c, sampler_id: str, reason: str) -> None:
-        c.execute(
-            "UPDATE samplers SET state = 'quarantined', reason = ? WHERE id = ?",
-            (reason, sampler_id),
-        )
-        BrokerStore._return_leases(c, sampler_id)
-        dropped = [
-            (r[0],)
-            for r in c.execute(
-                "SELECT job_id FROM rollouts WHERE sampler_id = ? AND state IN ('scoring', 'ready')",
-                (sampler_id,),
-            )
-        ]
-        c.executemany("DELETE FROM rollouts WHERE job_id = ?", dropped)
-        c.executemany(
-            "UPDATE jobs SET state = 'queued', lease_owner = NULL WHERE job_id = ?", dropped
-        )
-        log.warning(
-            "sampler %s quarantined (%s); %d unconsumed groups dropped",
-            sampler_id,
-            reason,
-            len(dropped),
-        )
 
     def rewind(self, step: int, consumed: set[int], keep_version: int) -> dict[str, int]:
         """The trainer resumed from its checkpoint after `step` steps, having consumed exactly

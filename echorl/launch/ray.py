@@ -213,7 +213,7 @@ class RaySwarm:
         broker = self.start("broker", argv, self.cfg.launch.ray.broker, restarts=0)
         host, port = ray.get(broker.address.remote())
         self.url = f"http://{host}:{port}"
-        _wait_healthy(self.url, broker)
+        _wait_healthy(self.url, broker, self.cfg.launch.ray.broker_wait_s)
 
     def start_sampler(self) -> None:
         name = f"sampler-{self.next_sampler}"
@@ -349,15 +349,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, actor, timeout: float = 60.0) -> None:
+def _wait_healthy(url: str, actor, timeout: float) -> None:
+    """Until the broker answers /healthz; RuntimeError after `timeout` with the reason: the
+    last error, and the broker's last lines (it may have failed, or still be importing)."""
     import httpx
 
-    t0 = time.time()
+    t0, last = time.time(), "no answer yet"
     while time.time() - t0 < timeout:
         try:
             httpx.get(url + "/healthz", timeout=1.0).raise_for_status()
             return
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
             time.sleep(0.2)
     _, lines = ray.get(actor.output.remote(0))
-    raise RuntimeError(f"the broker did not answer {url}/healthz: " + " | ".join(lines[-5:]))
+    said = " | ".join(lines[-5:]) or "nothing yet (still starting? raise launch.ray.broker_wait_s)"
+    raise RuntimeError(
+        f"the broker did not answer {url}/healthz within {timeout:.0f} s "
+        f"(launch.ray.broker_wait_s); last error: {last}; the broker said: {said}"
+    )

@@ -49,7 +49,10 @@ class OpenAIBackend:
         lora: LoraSpec | None = None,
         keep_adapters: int = 2,
         concurrency: int = 64,
+        dtype: str = "auto",
     ):
+        """`dtype`: the precision the run asks of its samplers (`sampler.dtype`; auto is the
+        trainer's float32): a server that computes in another is refused."""
         self.codec = codec
         self.slots = Adapters(keep_adapters)
         self.ids = itertools.count(1)
@@ -70,11 +73,37 @@ class OpenAIBackend:
             raise ServerRefused(
                 f"{endpoint} cannot load new weights: start it with VLLM_SERVER_DEV_MODE=1"
             )
+        self.check_numerics(endpoint, dtype)
         if lora is not None and self.http.post("/v1/unload_lora_adapter").status_code == 404:
             raise ServerRefused(
                 f"{endpoint} cannot load LoRA adapters: start it with "
                 f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and --enable-lora --max-lora-rank "
                 f">= {lora.rank} --max-loras {keep_adapters}"
+            )
+
+    def check_numerics(self, endpoint: str, dtype: str) -> None:
+        """ServerRefused unless the server reports the log-probs of the distribution it
+        samples from (`--logprobs-mode processed_logprobs`; raw ones differ by ~0.08 per
+        token at temperature 0.7, and no audit can tell that from a lie) and computes in the
+        run's precision (bfloat16 against a float32 trainer: ~1e-3 per token, where float32
+        gives ~1e-6). Read from the server's own config (/server_info, dev mode)."""
+        reply = self.http.get("/server_info", params={"config_format": "json"})
+        if reply.status_code != 200:
+            raise ServerRefused(f"{endpoint}/server_info answered {reply.status_code}")
+        model = _find(reply.json(), "model_config") or {}
+        mode = model.get("logprobs_mode", "?")
+        if mode != "processed_logprobs":
+            raise ServerRefused(
+                f"{endpoint} reports {mode} log-probs, not those of the distribution it samples "
+                "from: start it with --logprobs-mode processed_logprobs"
+            )
+        served = str(model.get("dtype", "?")).removeprefix("torch.")
+        wanted = "float32" if dtype == "auto" else dtype
+        if served != wanted:
+            raise ServerRefused(
+                f"{endpoint} computes in {served}, the run's samplers in {wanted} "
+                f"(sampler.dtype = {dtype}): start it with --dtype {wanted}, or set "
+                f"sampler.dtype = {served} to accept the mismatch"
             )
 
     def _one(self, context: list[int], params: SamplingConfig, max_new: int, seed: int, stops):
@@ -160,3 +189,19 @@ class OpenAIBackend:
     @property
     def adapters(self) -> list[int]:
         return list(self.slots.held)
+
+
+def _find(tree, key: str):
+    """The first value under `key` anywhere in a JSON tree (None if there is none)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        children = tree.values()
+    elif isinstance(tree, list):
+        children = tree
+    else:
+        return None
+    for child in children:
+        if (found := _find(child, key)) is not None:
+            return found
+    return None

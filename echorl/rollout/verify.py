@@ -59,30 +59,13 @@ from typing import Any
 from echorl.config import RunConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion
-from echorl.rollout.verify_worker import StoredGroup, Verdict, Wire, Work, serve
+from echorl.rollout.verify_worker import StoredGroup, Verdict, VerifierSpec, Wire, Work, serve
 
 log = logging.getLogger("echorl.verify")
 
 POLL_S = 0.02  # how often a waiting feeder checks its worker's clock
 BATCH = 64  # groups per worker call at most: under load, one round trip scores many
 START_TIMEOUT_S = 120.0  # a worker that is not ready by then will not be
-
-
-@dataclass(frozen=True)
-class VerifierSpec:
-    """What a worker needs to score: the task (by the name `get_task` resolves), the run's
-    tokenizer, the format bonus and the limits."""
-
-    task: str
-    codec: RunTokenizer
-    format_reward: float = 0.0
-    time_limit_s: float = 5.0
-    memory_mb: int = 1024
-
-    @classmethod
-    def for_run(cls, cfg: RunConfig, codec: RunTokenizer) -> VerifierSpec:
-        v = cfg.verify
-        return cls(cfg.task.name, codec, cfg.task.format_reward, v.time_limit_s, v.memory_mb)
 
 
 def run_pool(cfg: RunConfig, codec: RunTokenizer, workers: int = 1) -> VerifierPool:

@@ -18,14 +18,32 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, ProtocolError, Turn
 
 if TYPE_CHECKING:
-    from echorl.rollout.verify import VerifierSpec
+    from echorl.config import RunConfig
 
 GAMES_HELD = 4096  # live games a worker keeps; one forgotten is replayed when asked again
 
 Wire = list[tuple[list[int], list[tuple[int, int, int]] | None]]  # token ids, turns
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """What a worker needs to score: the task (by the name `get_task` resolves), the run's
+    tokenizer, the format bonus and the limits."""
+
+    task: str
+    codec: RunTokenizer
+    format_reward: float = 0.0
+    time_limit_s: float = 5.0
+    memory_mb: int = 1024
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, codec: RunTokenizer) -> VerifierSpec:
+        v = cfg.verify
+        return cls(cfg.task.name, codec, cfg.task.format_reward, v.time_limit_s, v.memory_mb)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ STEPS, B = 40, 16
 
 
 def run_on(out, model, *overrides):
-    """`echorl run` with 2 samplers on a warmed-up model."""
+    """`echorl run` with 2 samplers on a warmed-up model (without probation, as every
+    `echorl_run`: these runs pin what each lease holds, `sampler.jobs_per_lease` = B, a
+    version's jobs in one lease seeded from their ids)."""
     return echorl_run(out, f"model.path={model}", "launch.samplers=2", *overrides)
 
 

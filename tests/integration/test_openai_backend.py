@@ -3,9 +3,10 @@ tokens and log-probs as the HF backend, a new version loaded through the server,
 server that cannot do what the sampler needs refused with a one-line reason. Skipped where
 vLLM is not installed; run with the vLLM environment:
 
-    .venv-vllm/bin/python -m pytest -m vllm tests/integration/test_openai_backend.py
+    .venv-engines/bin/python -m pytest -m vllm tests/integration/test_openai_backend.py
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -31,6 +32,48 @@ from tests.integration.conftest import free_port, wait_until  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 TOLERANCE = 1e-4
 CONTEXTS = [[19, 18, 12, 24, 18, 30], [24, 26, 12, 20, 19, 30]] * 2
+
+
+@contextlib.contextmanager
+def serve(folder, *flags):
+    """A vLLM OpenAI server of `folder` (dev mode, 1 GiB of KV cache) with `flags`; its URL."""
+    port = free_port()
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    cmd += ["--port", str(port), "--skip-tokenizer-init", "--enforce-eager"]
+    cmd += ["--max-model-len", "512", *flags]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, "the vLLM server exited"
+        try:
+            return httpx.get(f"{url}/version", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, 300, "the vLLM server", poll=1.0)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_a_server_in_raw_log_probs_or_another_precision_is_refused(tmp_path):
+    """vLLM's defaults report raw log-probs (not the distribution sampled from: 0.08 per
+    token off at temperature 0.7) and compute in bfloat16 on this CPU (1e-3 off a float32
+    trainer): each is refused at start with one line saying what to pass."""
+    folder = save_tiny_model(tmp_path / "m", preset="1m")
+    codec = RunTokenizer.from_folder(folder)
+    with serve(folder) as url:
+        with pytest.raises(ServerRefused, match="--logprobs-mode processed_logprobs") as e:
+            OpenAIBackend(url, codec)
+        assert "\n" not in str(e.value)
+    with serve(folder, "--logprobs-mode", "processed_logprobs", "--dtype", "bfloat16") as url:
+        with pytest.raises(ServerRefused, match="computes in bfloat16.*--dtype float32"):
+            OpenAIBackend(url, codec)  # sampler.dtype = auto: the trainer's float32
+        OpenAIBackend(url, codec, dtype="bfloat16")  # asked for: accepted
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +186,13 @@ class NoTokenIds(BaseHTTPRequestHandler):
 
 class NoAdapters(NoTokenIds):
     """Token ids back and full weight loads, but no runtime LoRA routes."""
+
+    def do_GET(self):
+        if self.path.startswith("/server_info"):
+            config = {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32"}
+            self._send({"vllm_config": {"model_config": config}})
+        else:
+            super().do_GET()
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -3,7 +3,7 @@ log-probs equal within 1e-4 (fp32), the same stop rule, seeds that reproduce, an
 swapped in place (the swarm: test_vllm_swarm.py). Skipped where vLLM is not installed; run
 with the vLLM environment:
 
-    .venv-vllm/bin/python -m pytest -m vllm tests/integration/test_vllm.py
+    .venv-engines/bin/python -m pytest -m vllm tests/integration/test_vllm.py
 """
 
 import os

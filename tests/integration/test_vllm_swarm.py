@@ -2,7 +2,7 @@
 groups are trained on, the trainer's log-prob audit finds both honest, and the run learns.
 Skipped where vLLM is not installed; run with the vLLM environment:
 
-    .venv-vllm/bin/python -m pytest -m vllm tests/integration/test_vllm_swarm.py
+    .venv-engines/bin/python -m pytest -m vllm tests/integration/test_vllm_swarm.py
 """
 
 import os

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from echorl.broker.store import Admission, BrokerStore, Probation, Quarantine
+from echorl.broker.store import Admission, BrokerStore, Probation
+from echorl.broker.swarm import Quarantine
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import (
     Forbidden,
