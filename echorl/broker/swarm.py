@@ -72,6 +72,25 @@ def quarantined(c, sampler_id: str) -> Forbidden:
     return Forbidden(f"sampler {sampler_id} is quarantined: {row[0] if row else '?'}")
 
 
+def _accumulate(c, table: str, key: str, who: str, figures, policy: Quarantine):
+    """Add one report's (tokens, |excess|, signed excess, far-off excess) to `who`'s decayed
+    sums in `table` (samplers or operators); returns its state and the policy's verdict."""
+    tokens, abs_, kl, beyond = figures
+    d = policy.decay
+    c.execute(
+        f"UPDATE {table} SET audit_total = audit_total + ?, "
+        "audit_tokens = audit_tokens * ? + ?, audit_abs = audit_abs * ? + ?, "
+        f"audit_kl = audit_kl * ? + ?, audit_beyond = audit_beyond * ? + ? WHERE {key} = ?",
+        (tokens, d, tokens, d, abs_, d, kl, d, beyond, who),
+    )
+    state, total, *sums = c.execute(
+        "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, audit_beyond "
+        f"FROM {table} WHERE {key} = ?",
+        (who,),
+    ).fetchone()
+    return state, policy.verdict(total, *sums)
+
+
 class SwarmBook:
     """The samplers' and operators' rows (see the module docstring). Needs the store's
     `_tx(fn)` (one transaction) and `max_attempts`."""
@@ -349,21 +368,8 @@ class SwarmBook:
                 for i, (x, b) in enumerate(zip(figures, baseline[version])):
                     acc[i + 1] += (x - b) * tokens
             quarantined = []
-            for sid, (tokens, abs_, kl, beyond) in per.items():
-                d = policy.decay
-                c.execute(
-                    "UPDATE samplers SET audit_total = audit_total + ?, "
-                    "audit_tokens = audit_tokens * ? + ?, "
-                    "audit_abs = audit_abs * ? + ?, audit_kl = audit_kl * ? + ?, "
-                    "audit_beyond = audit_beyond * ? + ? WHERE id = ?",
-                    (tokens, d, tokens, d, abs_, d, kl, d, beyond, sid),
-                )
-                state, total, *sums = c.execute(
-                    "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, "
-                    "audit_beyond FROM samplers WHERE id = ?",
-                    (sid,),
-                ).fetchone()
-                reason = policy.verdict(total, *sums)
+            for sid, figures in per.items():
+                state, reason = _accumulate(c, "samplers", "id", sid, figures, policy)
                 if reason and state not in ("quarantined", "revoked"):
                     self._quarantine(c, sid, reason)
                     quarantined.append((sid, reason))
@@ -383,20 +389,8 @@ class SwarmBook:
                 acc = by_operator.setdefault(row[0], [0.0] * 4)
                 acc[:] = [a + f for a, f in zip(acc, figures)]
         quarantined = []
-        d = policy.decay
-        for name, (tokens, abs_, kl, beyond) in by_operator.items():
-            c.execute(
-                "UPDATE operators SET audit_total = audit_total + ?, "
-                "audit_tokens = audit_tokens * ? + ?, audit_abs = audit_abs * ? + ?, "
-                "audit_kl = audit_kl * ? + ?, audit_beyond = audit_beyond * ? + ? WHERE name = ?",
-                (tokens, d, tokens, d, abs_, d, kl, d, beyond, name),
-            )
-            state, total, *sums = c.execute(
-                "SELECT state, audit_total, audit_tokens, audit_abs, audit_kl, audit_beyond "
-                "FROM operators WHERE name = ?",
-                (name,),
-            ).fetchone()
-            reason = policy.verdict(total, *sums)
+        for name, figures in by_operator.items():
+            state, reason = _accumulate(c, "operators", "name", name, figures, policy)
             if not reason or state != "active":
                 continue
             reason = f"operator {name}: {reason}"

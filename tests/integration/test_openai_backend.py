@@ -35,10 +35,11 @@ CONTEXTS = [[19, 18, 12, 24, 18, 30], [24, 26, 12, 20, 19, 30]] * 2
 
 
 @contextlib.contextmanager
-def serve(folder, *flags):
-    """A vLLM OpenAI server of `folder` (dev mode, 1 GiB of KV cache) with `flags`; its URL."""
+def serve(folder, *flags, **env):
+    """A vLLM OpenAI server of `folder` (dev mode, 1 GiB of KV cache) with `flags` and `env`;
+    its URL."""
     port = free_port()
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", **env}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     cmd += ["--port", str(port), "--skip-tokenizer-init", "--enforce-eager"]
     cmd += ["--max-model-len", "512", *flags]
@@ -78,33 +79,12 @@ def test_a_server_in_raw_log_probs_or_another_precision_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """A float32 server with processed log-probs, full-version and adapter loading."""
     folder = save_tiny_model(tmp_path_factory.mktemp("serve") / "m", preset="1m")
-    port = free_port()
-    env = os.environ | {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc: full versions
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",  # /v1/load_lora_adapter: adapter versions
-    }
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    cmd += ["--port", str(port), "--skip-tokenizer-init", "--dtype", "float32"]
-    cmd += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
-    cmd += ["--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert proc.poll() is None, "the vLLM server exited"
-        try:
-            return httpx.get(f"{url}/version", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(up, 300, "the vLLM server", poll=1.0)
+    flags = ["--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
+    flags += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+    with serve(folder, *flags, VLLM_ALLOW_RUNTIME_LORA_UPDATING="true") as url:
         yield url, folder
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def test_the_server_generates_as_the_hf_backend_and_takes_new_weights(server):
