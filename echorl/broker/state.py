@@ -256,7 +256,7 @@ class BrokerState:
 
     def _stored(self, future: Future) -> None:
         try:
-            ready, refused = future.result()
+            ready, refused, promoted = future.result()
         except Exception:  # the store failed; the groups stay `scoring`, re-scored at start
             log.exception("verdicts could not be stored")
             return
@@ -265,7 +265,8 @@ class BrokerState:
         self.metrics.verifier_busy.set(self.verifier.utilisation())
         if ready:
             self.groups_bell.ring()
-            self.jobs_bell.ring()  # a sampler that delivered may hold more (probation)
+        if promoted:  # a newcomer's first delivered group: it may lease from the budget now
+            self.jobs_bell.ring()
         if refused:
             self.jobs_bell.ring()
 

@@ -506,15 +506,15 @@ class BrokerStore(SwarmBook):
         )
         return seed
 
-    def scored(self, verdicts: list[tuple[int, float, list[float] | None]]) -> tuple[int, int]:
+    def scored(self, verdicts: list[tuple[int, float, list[float] | None]]) -> tuple[int, int, int]:
         """The verifier's verdicts, in one transaction: (job id, the group's created_at, the
         broker's rewards, or None when it refused the group). A scored group becomes ready; a
         refused one is deleted and its job queued again (an attempt counted). A verdict for a
         group no longer scoring (a resumed trainer deleted it) changes nothing. Returns
-        (ready, refused)."""
+        (ready, refused, samplers whose first delivered group this was)."""
 
         def fn(c):
-            ready = refused = 0
+            ready = refused = promoted = 0
             for job_id, created, rewards in verdicts:
                 if rewards is None:
                     gone = c.execute(
@@ -533,12 +533,13 @@ class BrokerStore(SwarmBook):
                     (json.dumps(rewards), job_id, created),
                 ).rowcount:
                     ready += 1
-                    c.execute(  # a delivered group: its sampler may hold one more job
+                    (delivered,) = c.execute(  # a delivered group: its sampler may hold more
                         "UPDATE samplers SET delivered = delivered + 1 WHERE id = "
-                        "(SELECT sampler_id FROM rollouts WHERE job_id = ?)",
+                        "(SELECT sampler_id FROM rollouts WHERE job_id = ?) RETURNING delivered",
                         (job_id,),
-                    )
-            return ready, refused
+                    ).fetchone() or (0,)
+                    promoted += delivered == 1
+            return ready, refused, promoted
 
         return self._tx(fn)
 

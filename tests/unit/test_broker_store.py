@@ -28,7 +28,7 @@ def push(s, sampler_id, g, rewards, now):
     seed = s.push(sampler_id, g, now)
     if seed is None:
         return False
-    assert s.scored([(g.job_id, now, list(rewards))]) == (1, 0)
+    assert s.scored([(g.job_id, now, list(rewards))])[:2] == (1, 0)
     return True
 
 
@@ -233,7 +233,7 @@ def test_push_many_stores_each_group_or_says_why_not(s):
     assert s.counts()["rollouts"] == {"scoring": 2}
     assert s.counts()["jobs"] == {"done": 2, "leased": 1}
     # the verdicts: one scored, one refused (its job is queued again, an attempt counted)
-    assert s.scored([(0, 1, [1.0, 0.0]), (2, 1, None), (2, 1, [1.0, 1.0])]) == (1, 1)
+    assert s.scored([(0, 1, [1.0, 0.0]), (2, 1, None), (2, 1, [1.0, 1.0])]) == (1, 1, 1)
     assert s.counts()["rollouts"] == {"ready": 1}
     assert s.counts()["jobs"] == {"done": 1, "leased": 1, "queued": 1}
     assert s.scoring() == []
@@ -246,8 +246,8 @@ def test_a_verdict_for_a_group_that_is_gone_changes_nothing(s):
     s.push(a, group(s, 0), now=5)
     ((job, created, _, stored),) = s.scoring()
     assert (job, created, stored.rewards) == (0, 5, [CLAIMS, CLAIMS])
-    assert s.scored([(0, 4, [1.0, 1.0])]) == (0, 0)  # an older push's verdict
-    assert s.scored([(0, 5, [1.0, 0.0])]) == (1, 0)
+    assert s.scored([(0, 4, [1.0, 1.0])]) == (0, 0, 0)  # an older push's verdict
+    assert s.scored([(0, 5, [1.0, 0.0])]) == (1, 0, 1)  # its sampler's first
     (pulled,), _ = s.pull(1, now=6, lease_seconds=10, min_version=0)
     assert pulled.rewards == [1.0, 0.0]  # the broker's, never the claims
 
