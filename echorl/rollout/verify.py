@@ -69,8 +69,10 @@ START_TIMEOUT_S = 120.0  # a worker that is not ready by then will not be
 
 
 def run_pool(cfg: RunConfig, codec: RunTokenizer, workers: int = 1) -> VerifierPool:
-    """The run's verifier pool (samplers, trainers and evaluations use one worker)."""
-    return VerifierPool(VerifierSpec.for_run(cfg, codec), workers)
+    """The run's verifier pool for samplers, trainers and evaluations: one worker and no
+    spare (they score their own groups, one caller; a spare is the broker's, whose pool
+    serves a swarm it does not trust, and would only slow their start)."""
+    return VerifierPool(VerifierSpec.for_run(cfg, codec), workers, spare=False)
 
 
 Done = Callable[[list[tuple[Any, Verdict]]], None]

@@ -23,6 +23,7 @@ from tests.integration.conftest import (
     start_broker,
     start_trainer,
     stop_broker,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -73,6 +74,10 @@ def run_swarm(tmp_path, model, steps, *trainer_args, auditor=False):
     samplers = [start(mode, url, model) for mode in (*HONEST, *DISHONEST)]
     if auditor:
         samplers.append(start_auditor(url, model, tmp_path / "auditor.jsonl"))
+    # Every sampler in before the first version: a liar that starts late (its script imports
+    # more) would otherwise find a 40-step run on 2 cores over and never be audited.
+    registered = lambda: query(tmp_path / "b", "SELECT COUNT(*) FROM samplers")[0][0] == 5  # noqa: E731
+    wait_until(registered, timeout=180, what="the five samplers registered")
     trainer = start_trainer(
         url, model, tmp_path / "t", "-o", f"train.steps={steps}", *RUN, *trainer_args
     )
