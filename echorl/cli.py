@@ -790,18 +790,20 @@ def status(
 
 
 samplers_app = typer.Typer(no_args_is_help=True, help="Manage a broker's samplers (admin).")
+BROKER_URL = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL")
+ADMIN_TOKEN = typer.Option(
+    None,
+    envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
+    help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
+)
 app.add_typer(samplers_app, name="samplers")
 
 
 @samplers_app.command("revoke")
 def revoke(
     sampler_id: str = typer.Argument(..., help="the sampler's id (see `echorl status`)"),
-    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
-    token: str = typer.Option(
-        None,
-        envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
-        help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
-    ),
+    broker_url: str = BROKER_URL,
+    token: str = ADMIN_TOKEN,
 ) -> None:
     """Refuse one sampler from now on; its leased jobs go back to the queue."""
     returned = _admin_call(broker_url, token, lambda client: client.revoke(sampler_id))
@@ -811,12 +813,8 @@ def revoke(
 @samplers_app.command("enrol")
 def enrol(
     name: str = typer.Argument(..., help="the operator: who runs the samplers, e.g. alice"),
-    broker_url: str = typer.Option("http://127.0.0.1:8000", "--broker", help="broker URL"),
-    token: str = typer.Option(
-        None,
-        envvar=["ECHORL_TOKEN", "ECHORL_TRAINER_TOKEN"],
-        help="the trainer (admin) token (or $ECHORL_TOKEN, else $ECHORL_TRAINER_TOKEN)",
-    ),
+    broker_url: str = BROKER_URL,
+    token: str = ADMIN_TOKEN,
 ) -> None:
     """Issue an operator its own enrolment token (printed once). Its samplers register with it
     as ECHORL_SAMPLER_TOKEN; what the audit finds of them, and what their hoarded leases

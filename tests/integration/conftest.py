@@ -106,6 +106,19 @@ def as_(who):
     return {"Authorization": f"Bearer {CREDENTIALS.get(who, who)}"}
 
 
+def publish(url, version, blob):
+    """The trainer's upload of weights `blob` as `version` (the raw HTTP call)."""
+    import hashlib
+
+    headers = as_(TRAINER) | {"X-Sha256": hashlib.sha256(blob).hexdigest()}
+    return httpx.put(f"{url}/v1/weights/{version}", content=blob, headers=headers)
+
+
+def lease(url, sid, n=1):
+    """Sampler `sid`'s lease of up to `n` jobs (the raw HTTP call)."""
+    return httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(sid))
+
+
 def group(job, version=0, ids=(26, 17, 1), rewards=(0.0, 0.0)) -> dict:
     """A pushable group body (G = 2) for `job` (a leased job, as JSON or a Job; or a job id,
     for a job the broker does not know)."""

@@ -3,7 +3,6 @@ that worked against the broker before its fix; each test asserts the numbers tha
 longer does."""
 
 import contextlib
-import hashlib
 import json
 import os
 import statistics
@@ -31,6 +30,8 @@ from tests.integration.conftest import (
     as_,
     free_port,
     group,
+    lease,
+    publish,
     query,
     register,
     start_broker,
@@ -44,15 +45,6 @@ pytestmark = pytest.mark.integration
 
 CODEC = RunTokenizer.builtin()
 EOS = 1
-
-
-def publish(url, version, blob):
-    headers = as_(TRAINER) | {"X-Sha256": hashlib.sha256(blob).hexdigest()}
-    return httpx.put(f"{url}/v1/weights/{version}", content=blob, headers=headers)
-
-
-def lease(url, sid, n=1):
-    return httpx.post(f"{url}/v1/jobs/lease", json={"sampler_id": sid, "n": n}, headers=as_(sid))
 
 
 def right_answer(job) -> str:

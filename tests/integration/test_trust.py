@@ -24,6 +24,8 @@ from tests.integration.conftest import (
     as_,
     free_port,
     group,
+    lease,
+    publish,
     query,
     register,
     start_broker,
@@ -35,16 +37,6 @@ pytestmark = pytest.mark.integration
 
 CODEC = RunTokenizer.builtin()
 HOSTILE = f"{Path(__file__).parents[1] / 'fixtures' / 'hostile_task.py'}:Hostile"
-
-
-def publish(url, version, blob):
-    headers = as_(TRAINER) | {"X-Sha256": hashlib.sha256(blob).hexdigest()}
-    return httpx.put(f"{url}/v1/weights/{version}", content=blob, headers=headers)
-
-
-def lease(url, sid, n=1):
-    body = {"sampler_id": sid, "n": n}
-    return httpx.post(f"{url}/v1/jobs/lease", json=body, headers=as_(sid))
 
 
 def answer(job, *texts, sid):
