@@ -10,11 +10,12 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.conftest import echorl_run, query, read_jsonl
+from tests.integration.conftest import SAMPLED, echorl_run, pass1, query, read_jsonl
 
 pytestmark = pytest.mark.integration
 
 STEPS, B = 40, 16
+MARGIN = 0.05  # held-out sampled pass@1 in 40 steps; measured sync +0.11, async +0.10
 
 
 def run_on(out, model, *overrides):
@@ -37,6 +38,7 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
         "sampler.jobs_per_lease=4",  # both samplers get work every version
         # async: flat and stale groups (which need a pass of their own) are audited by half
         f"quarantine.audit_fraction={0.5 if mode == 'async' else 1.0}",
+        SAMPLED,
     )
     assert "run summary" in shown
     records = read_jsonl(out / "metrics.jsonl")
@@ -64,9 +66,9 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
     pushed = query(out / "broker", "SELECT COUNT(DISTINCT sampler_id) FROM rollouts")[0][0]
     assert pushed == 2
     assert len(read_jsonl(out / "samplers" / "sampler-0.jsonl")) > 0
-    # Learning: held-out greedy accuracy rises by at least 0.05 over 40 steps, fixed seeds.
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    assert evals[-1] - evals[0] >= 0.05, evals
+    # Learning: held-out sampled pass@1 rises by at least MARGIN over 40 steps.
+    evals = pass1(records)
+    assert evals[-1] - evals[0] >= MARGIN, evals
     first = sum(r["reward/mean"] for r in train[:10]) / 10
     last = sum(r["reward/mean"] for r in train[-10:]) / 10
     assert last > first, (first, last)

@@ -3,20 +3,20 @@ alone, every version after v0 is the adapter alone, the samplers apply them on v
 checks stale groups against their own version (an honest swarm is never quarantined), and
 the run learns.
 
-Measured (fixed seeds, the demo's warm-up, 40 steps, rank 8, lr 1e-3): held-out accuracy
-0.66 -> 0.87 here (62% of the errors removed), 0.80 -> 0.88 on the CI machine (40%); reward first 10 steps ~0.52, last 10 ~0.77; v1.. are 9.3% of v0's bytes on
-the 1m model (3.9% on the 10m preset: tests/unit/test_lora.py).
+Measured (fixed seeds, the demo's warm-up, 40 steps, rank 8, lr 1e-3): held-out sampled
+pass@1 0.484 -> 0.579, train reward 0.470 -> 0.568 (first and last 10 steps); v1.. are 9.3%
+of v0's bytes on the 1m model (3.9% on the 10m preset: tests/unit/test_lora.py).
 """
 
 import json
 
 import pytest
 
-from tests.integration.conftest import echorl_run, learning, query, read_jsonl
+from tests.integration.conftest import SAMPLED, echorl_run, learning, query, read_jsonl
 
 pytestmark = pytest.mark.integration
 
-SHARE = 0.30  # of the held-out errors the run must remove (the warm-up's start varies by CPU)
+MARGIN = 0.05  # held-out sampled pass@1 the run must add (measured +0.095)
 
 
 def test_a_lora_run_publishes_adapters_alone_and_learns(tmp_path, warm_add):
@@ -30,6 +30,7 @@ def test_a_lora_run_publishes_adapters_alone_and_learns(tmp_path, warm_add):
         "broker.mode=async",
         "train.steps=40",
         "train.eval_prompts=100",
+        SAMPLED,
         "sampler.jobs_per_lease=4",
     )
     records = read_jsonl(out / "metrics.jsonl")
@@ -59,6 +60,6 @@ def test_a_lora_run_publishes_adapters_alone_and_learns(tmp_path, warm_add):
 
     first, last, before, after = learning(out)
     assert last > first, (first, last)
-    assert after - before >= SHARE * (1 - before), (before, after)
+    assert after - before >= MARGIN, (before, after)
     assert (out / "policy" / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "policy" / "model.safetensors").is_file()  # merged: loads without peft

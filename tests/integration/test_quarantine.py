@@ -15,9 +15,11 @@ from statistics import mean
 import pytest
 
 from tests.integration.conftest import (
+    SAMPLED,
     SAMPLER,
     TRAINER,
     free_port,
+    pass1,
     query,
     read_jsonl,
     start_broker,
@@ -39,6 +41,8 @@ RUN = [
     "train.group_size=4",
     "-o",
     "train.eval_prompts=50",
+    "-o",
+    SAMPLED,
     "-o",
     "broker.max_leased_per_sampler=4",  # every sampler gets a share of each batch
 ]
@@ -151,7 +155,7 @@ def check(tmp_path, states, logs, out, records, within=WITHIN_STEPS, quarantined
     print(f"logged mean |dlp| {mean}; excess (abs, signed, beyond) {figures}")
     assert "log-prob mismatch" in out and all(named[m] in out for m in HONEST), out[-3000:]
     train = [r["reward/mean"] for r in records if "reward/mean" in r]
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    evals = pass1(records)
     return train, evals
 
 
@@ -171,12 +175,12 @@ def honest_rewards(tmp_path):
 def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, warm_add):
     states, logs, out, records = run_swarm(tmp_path, warm_add, steps=40)
     _, evals = check(tmp_path, states, logs, out, records)
-    # The run still learns. Held-out accuracy (greedy, the same 50 prompts) is the steady
-    # measure: 0.78 -> 0.92-0.94 in 4 runs. The batch reward is not: a fabricating sampler's
-    # right answers lift the steps it shares, and 40 samples a step are noisy, so a CI run
-    # once saw it rise only 0.72 -> 0.73. The honest samplers' groups alone rose 0.08-0.13
-    # (last 10 steps against the first 10) in the same 4 runs; they must not fall.
-    assert evals[-1] >= evals[0] + 0.08, evals
+    # The run still learns. Held-out sampled pass@1 (the same 50 prompts, 8 samples each) is
+    # the steady measure: 0.53 -> 0.59. Greedy accuracy is not (0.78 -> 0.92 on one CPU,
+    # 0.82 -> 0.72 on another), nor is the batch reward: a fabricating sampler's right
+    # answers lift the steps it shares, and 40 samples a step are noisy (a CI run once saw
+    # 0.72 -> 0.73). The honest samplers' groups alone must not fall.
+    assert evals[-1] >= evals[0] + 0.03, evals
     honest = honest_rewards(tmp_path)
     assert mean(honest[-10:]) >= mean(honest[:10]), honest
 
@@ -216,7 +220,7 @@ def test_200_steps_with_dishonest_samplers_still_learn(tmp_path, warm_add):
     states, logs, out, records = run_swarm(tmp_path, warm_add, steps=200)
     train, evals = check(tmp_path, states, logs, out, records)
     assert sum(train[-20:]) / 20 >= sum(train[:20]) / 20 + 0.1, train
-    assert evals[-1] >= evals[0] + 0.1, evals
+    assert evals[-1] >= evals[0] + 0.06, evals  # sampled pass@1
 
 
 @pytest.mark.slow

@@ -48,9 +48,10 @@ def test_a_jsonl_file_of_problems_learns_through_the_swarm(tmp_path):
     echorl_run(out, task, "sampling.max_new_tokens=12", "sft.steps=300", *ASYNC_RUN)
     first, last, before, after = learning(out)
     assert honest(out)
-    # Measured: train reward 0.402 -> 0.425, held-out greedy 0.65 -> 0.81.
+    # Measured: held-out sampled pass@1 0.28 -> 0.36, train reward 0.345 -> 0.375 here and
+    # 0.35 -> 0.36 on the CI machine (the train reward is the noisier measure).
     assert first > 0.05 and before > 0.05, (first, before)  # math-verify scores \boxed{46}
-    assert last >= first + 0.01 and after >= before + 0.05, (first, last, before, after)
+    assert last > first and after >= before + 0.04, (first, last, before, after)
 
 
 @pytest.mark.slow
@@ -73,8 +74,9 @@ def test_a_user_task_by_file_path_learns_through_the_swarm(tmp_path):
     echorl_run(out, task, "sft.steps=80", *ASYNC_RUN)  # a short warm-up leaves RL something to do
     first, last, before, after = learning(out)
     assert honest(out)
-    # Measured: train reward (partial credit, sampled) 0.587 -> 0.658.
-    assert first > 0.05 and last >= first + 0.03, (first, last)
+    # Measured: held-out sampled pass@1 (partial credit) 0.39 -> 0.44, train reward 0.587 ->
+    # 0.658 and 0.619 -> 0.662 on two CPUs.
+    assert first > 0.05 and last > first and after >= before + 0.025, (first, last, before, after)
 
 
 def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
