@@ -127,7 +127,7 @@ def measure(name: str, out: Path, target: float) -> dict:
         t_fetch = 0.0  # the policy is in hand
     else:
         walls = [r["trainer/wall_s"] for r in train]
-        batches = read_metrics(out / "samplers" / "sampler-0.jsonl")
+        batches = [b for b in read_metrics(out / "samplers" / "sampler-0.jsonl") if b["jobs"]]
         span = batches[-1]["time"] - batches[0]["time"] + batches[0]["sampler/gen_s"]
         # A sampler's phase per batch (one lease): fetch and load the version it needs, then
         # generate. The fetch is the samplers' share of the weight sync, on their hardware.

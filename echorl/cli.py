@@ -783,6 +783,7 @@ def status(
         ("ready_by_version", st.ready_by_version),
         ("audits", st.audits),
         ("verifier", st.verifier),
+        ("wasted (sync's cancelled work)", st.wasted),
     ):
         console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
     console.print(f"auditors alive: {st.auditors}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -234,6 +234,22 @@ class BrokerConfig(_Section):
     lease_seconds: float = Field(
         120.0, gt=0.0, le=86400.0, description="how long a sampler holds a job"
     )
+    overprovision: float = Field(
+        1.0,
+        ge=1.0,
+        le=4.0,
+        description="sync: lease up to this x train.batch_prompts jobs of each version; the "
+        "trainer takes the first B groups to arrive and the rest are cancelled when the next "
+        "version is published (their jobs queued again): a straggler never stalls a step. "
+        "Every consumed group is still of the step's version; the cancelled work is reported "
+        "as wasted",
+    )
+    lease_by_speed: bool = Field(
+        False,
+        description="size each lease to the sampler's measured speed: one that generates at "
+        "a fraction f < 1/2 of the fastest sampler's tokens/s leases about f x the jobs it "
+        "asks for (at least 1), so a slow machine holds few jobs and its lease fits its speed",
+    )
     trainer_lease_seconds: float = Field(
         300.0, gt=0.0, le=86400.0, description="how long pulled groups wait for an ack"
     )
@@ -437,6 +453,14 @@ class SamplerConfig(_Section):
     jobs_per_lease: int = Field(
         16, ge=1, le=1024, description="jobs leased, and generated as one batch, at a time"
     )
+    slowdown: float = Field(
+        1.0,
+        ge=1.0,
+        le=1000.0,
+        description="SIMULATION, for test beds of uneven machines (bench/swarm.py): after "
+        "generating a lease, wait (slowdown - 1) x its generation time, so this sampler "
+        "delivers 1/slowdown of its real speed (and reports that speed). 1 = real speed",
+    )
     device: str | None = Field(
         None, pattern=DEVICE, description="torch device; unset = model.device"
     )
@@ -484,6 +508,12 @@ class LaunchConfig(_Section):
 
     samplers: int = Field(1, ge=0, le=256, description="sampler processes to start")
     sampler_threads: int = Field(1, ge=1, le=256, description="torch threads per sampler")
+    sampler_slowdowns: list[Annotated[float, Field(ge=1.0, le=1000.0)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description="SIMULATION of uneven machines: sampler k runs with sampler.slowdown = "
+        "sampler_slowdowns[k % len] (e.g. [1, 1, 2, 4]); empty = every sampler at real speed",
+    )
     auditors: int = Field(
         0,
         ge=0,

@@ -453,6 +453,7 @@ class StatusReply(_Wire):
     verifier_error: str | None = None  # the first exception a verifier raised, its last line
     audits: dict[str, int] = {}  # consumed groups' audits by state (open, leased, done, missed)
     auditors: int = 0  # auditors alive
+    wasted: dict[str, int] = {}  # sync's cancelled work: cancelled_jobs, wasted_groups, _tokens
 
 
 class HeartbeatRequest(_Wire):
@@ -538,6 +539,7 @@ class PullReply(_Wire):
     groups: list[ScoredGroup]  # with the broker's rewards, the only ones to train on
     dropped_stale: int
     auditors: int = 0  # auditors alive: the trainer leaves the audits it would pay for to them
+    wasted_tokens: int = 0  # completion tokens generated for cancelled work so far (sync)
 
 
 class AckRequest(_Wire):

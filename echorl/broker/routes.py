@@ -214,6 +214,7 @@ async def lease(
             admit=st.admission,
             max_held=max_held,
             probation=st.probation,
+            by_speed=b.lease_by_speed,
         )
 
     jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)
@@ -316,7 +317,7 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
     # The groups as stored (validated when pushed): a PullReply, written without re-encoding.
     reply = (
         f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped},'
-        f'"auditors":{st.auditors_alive()}}}'
+        f'"auditors":{st.auditors_alive()},"wasted_tokens":{st.store.wasted_tokens}}}'
     )
     return Response(reply, media_type="application/json")
 
@@ -385,7 +386,13 @@ async def publish(
     except ClientDisconnect:  # the trainer died mid-upload: nothing was stored
         log.warning("the upload of version %d broke off; nothing stored", version)
         raise BadRequest(f"the upload of version {version} broke off; nothing stored") from None
-    st.store.set_latest_version(version)
+    cancelled, dropped = st.store.set_latest_version(
+        version, cancel_older=st.cfg.broker.mode == "sync"
+    )
+    if cancelled or dropped:  # sync: work for the old version can never be consumed now
+        st.metrics.cancelled.inc(cancelled)
+        st.metrics.dropped.inc(dropped)
+        log.info("version %d: %d jobs cancelled, %d groups dropped", version, cancelled, dropped)
     st.metrics.latest.set(version)
     st.jobs_bell.ring()  # a new version admits more jobs
     st.audits_bell.ring()  # and makes an older one final

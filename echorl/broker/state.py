@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -132,6 +133,11 @@ class Metrics:
         self.refused = Counter(
             "broker_groups_refused",
             "stored groups the verifier refused (not what the task produces); jobs re-queued",
+            registry=self.registry,
+        )
+        self.cancelled = Counter(
+            "broker_jobs_cancelled",
+            "sync: jobs still leased for a version when the next was published, queued again",
             registry=self.registry,
         )
         self.quarantined = Counter(
@@ -402,6 +408,9 @@ def build_state(cfg: RunConfig) -> BrokerState:
             batch=cfg.train.batch_prompts,
             max_staleness=b.staleness,
             pin_version=b.mode == "sync",
+            spare=math.ceil((b.overprovision - 1) * cfg.train.batch_prompts - 1e-9)
+            if b.mode == "sync"
+            else 0,
         ),
         metrics=metrics,
         registrations=RateLimit(b.registrations_per_minute / 60, b.registrations_per_minute),

@@ -126,6 +126,7 @@ class Admission:
     batch: int  # B: groups the trainer consumes per step
     max_staleness: int  # 0 in sync mode
     pin_version: bool  # sync: every job carries required_version = the latest version
+    spare: int = 0  # sync: jobs leased beyond B per version (broker.overprovision)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,16 @@ class Probation:
 
     first: int = 1
     newcomers: int = 1
+
+
+def fair_share(n: int, speed: float | None, fastest: float | None) -> int:
+    """Jobs for a sampler that asked for `n`, by its measured speed (tokens/s) against the
+    fastest alive sampler's: below half of it, the same fraction of `n` (at least 1), so a
+    lease takes a slow sampler about as long as a fast one's; otherwise `n` (speeds within 2x
+    are measurement noise and machine load as much as hardware). Unmeasured: `n`."""
+    if not speed or not fastest or speed >= fastest / 2:
+        return n
+    return max(1, round(n * speed / fastest))
 
 
 ProblemFn = Callable[[int], Problem]  # job seed -> problem (the task's own `problem`)
@@ -172,7 +183,8 @@ class BrokerStore(SwarmBook):
                 self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         self._tx(
             lambda c: c.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1)"
+                "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1), "
+                "('cancelled_jobs', 0), ('wasted_groups', 0), ('wasted_tokens', 0)"
             )
         )
         # Consumed groups are most of the table and only ever grow: counted, not scanned.
@@ -185,6 +197,8 @@ class BrokerStore(SwarmBook):
         self._latest: int = self.db.execute(
             "SELECT value FROM meta WHERE key = 'latest_version'"
         ).fetchone()[0]
+        # Completion tokens generated for nothing (sync's cancelled groups): every pull says it.
+        self.wasted_tokens: int = self.wasted()["wasted_tokens"]
 
     def _tx(self, fn):
         """Run `fn(cursor)` in one IMMEDIATE transaction (writers serialise, readers never
@@ -235,15 +249,62 @@ class BrokerStore(SwarmBook):
         every lease reads it, never waiting for the store's lock.)"""
         return self._latest
 
-    def set_latest_version(self, version: int) -> None:
+    def set_latest_version(self, version: int, cancel_older: bool = False) -> tuple[int, int]:
+        """Publish `version`. `cancel_older` (sync, where a group of an older version can
+        never be consumed): jobs still leased for an older version go back to the queue
+        (no attempt counted, no penalty: the sampler did nothing wrong) and groups of older
+        versions not yet pulled are dropped, their tokens counted as wasted. Returns
+        (jobs cancelled, groups dropped)."""
+
         def fn(c):
             latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()[0]
             if version != latest + 1:
                 raise ProtocolError(f"version {version} is not the next one (latest is {latest})")
             c.execute("UPDATE meta SET value = ? WHERE key = 'latest_version'", (version,))
+            if not cancel_older:
+                return 0, 0, 0
+            cancelled = c.execute(
+                "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL, "
+                "required_version = NULL, extra = 0 "
+                "WHERE state = 'leased' AND required_version < ?",
+                (version,),
+            ).rowcount
+            older = "FROM rollouts WHERE state IN ('scoring', 'ready') AND version < ?"
+            (tokens,) = c.execute(
+                "SELECT COALESCE(SUM(json_array_length(c.value, '$.token_ids')), 0) "
+                f"FROM (SELECT body {older}) r, json_each(r.body, '$.completions') c",
+                (version,),
+            ).fetchone()
+            dropped = c.execute(
+                f"UPDATE rollouts SET state = 'stale' WHERE job_id IN (SELECT job_id {older})",
+                (version,),
+            ).rowcount
+            c.executemany(
+                "UPDATE meta SET value = value + ? WHERE key = ?",
+                [
+                    (cancelled, "cancelled_jobs"),
+                    (dropped, "wasted_groups"),
+                    (tokens, "wasted_tokens"),
+                ],
+            )
+            return cancelled, dropped, tokens
 
-        self._tx(fn)
+        cancelled, dropped, tokens = self._tx(fn)
         self._latest = version
+        self.wasted_tokens += tokens
+        return cancelled, dropped
+
+    def wasted(self) -> dict[str, int]:
+        """Sync's cancelled work so far (`set_latest_version`)."""
+        return self._tx(lambda c: self._wasted(c.execute))
+
+    @staticmethod
+    def _wasted(q) -> dict[str, int]:
+        """Jobs taken back from samplers, and the groups (and their completion tokens) that
+        arrived for a version no step could consume any more."""
+        keys = ("cancelled_jobs", "wasted_groups", "wasted_tokens")
+        marks = ", ".join("?" * len(keys))
+        return dict(q(f"SELECT key, value FROM meta WHERE key IN ({marks})", keys).fetchall())
 
     # -- jobs ---------------------------------------------------------------------------------
 
@@ -304,12 +365,14 @@ class BrokerStore(SwarmBook):
         admit: Admission | None = None,
         max_held: int | None = None,
         probation: Probation | None = None,
+        by_speed: bool = False,
     ) -> list[Job]:
         """Up to `n` jobs for `sampler_id`: queued ones first, then new ones from the cursor.
         With `admit`, no more than the admission budget, read in the same transaction; with
         `max_held`, no more than that many leased to this sampler at once (one that hoards
         leases and never pushes cannot take every admitted job); with `probation`, fewer
-        while it has delivered little (`Probation`)."""
+        while it has delivered little (`Probation`); with `by_speed`, fewer the slower it is
+        than the fastest alive sampler (`fair_share`)."""
 
         def fn(c):
             nonlocal n, required_version
@@ -328,6 +391,13 @@ class BrokerStore(SwarmBook):
                 "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND lease_owner = ?",
                 (sampler_id,),
             ).fetchone()[0]
+            if by_speed:
+                mine, fastest = c.execute(
+                    "SELECT tokens_per_s, (SELECT MAX(tokens_per_s) FROM samplers "
+                    "WHERE state = 'alive') FROM samplers WHERE id = ?",
+                    (sampler_id,),
+                ).fetchone()
+                n = fair_share(n, mine, fastest)
             newcomer = probation is not None and row[2] == 0
             if max_held is not None:
                 n = min(n, max_held - held)
@@ -441,7 +511,7 @@ class BrokerStore(SwarmBook):
             "(SELECT COUNT(*) FROM rollouts WHERE state IN ('scoring', 'ready', 'pulled')) + "
             "(SELECT value FROM meta WHERE key = 'consumed')"
         ).fetchone()[0]
-        return (latest + admit.max_staleness + 1) * admit.batch - out
+        return (latest + admit.max_staleness + 1) * admit.batch + admit.spare - out
 
     # -- rollouts (the replay buffer) ----------------------------------------------------------
 
@@ -659,6 +729,7 @@ class BrokerStore(SwarmBook):
                 ).fetchall()
             ),
             "audits": dict(q("SELECT state, COUNT(*) FROM audits GROUP BY state").fetchall()),
+            "wasted": BrokerStore._wasted(q),
         }
 
     def rewind(self, step: int, consumed: set[int], keep_version: int) -> dict[str, int]:

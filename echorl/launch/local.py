@@ -301,6 +301,7 @@ def launch(
             console.print("\n".join(said.splitlines()[-6:]) or "(nothing)", markup=False)
             return 2, out
         common = ("--broker", swarm.url, "-c", str(config))
+        slowdowns = cfg.launch.sampler_slowdowns
         for k in range(cfg.launch.samplers):
             swarm.spawn(
                 f"sampler-{k}",
@@ -312,6 +313,7 @@ def launch(
                 str(cfg.launch.sampler_threads),
                 "--metrics",
                 str(out / "samplers" / f"sampler-{k}.jsonl"),
+                *(["-o", f"sampler.slowdown={slowdowns[k % len(slowdowns)]}"] if slowdowns else []),
                 cpus=other_cores,
             )
         for k in range(cfg.launch.auditors):
@@ -582,6 +584,8 @@ def summarise(out: Path, console: Console) -> dict:
             "dropped_stale": sum(r["broker/groups_dropped_stale"] for r in train),
             "trainer_busy": sum(r["trainer/step_s"] for r in train) / wall,
         }
+        if wasted := train[-1].get("broker/wasted_tokens"):  # sync, over-provisioned
+            summary["wasted_tokens"] = wasted
     if evals:
         summary |= {
             "eval_first": evals[0]["eval/accuracy"],

@@ -56,6 +56,7 @@ class Sampler:
         self.cache, self.metrics = cache, metrics
         self.weights = WeightFollower(client, backend, cache, name)  # the version generating
         self.pushed = self.rejected = 0
+        self.cancelled_jobs = self.wasted_tokens = 0  # sync: work for a version gone by
         self.idle_s = 0.0  # in leases, waiting for admitted jobs, since the last batch
         self.tokens_per_s: float | None = None  # of the last batch
         self.max_body_bytes = cfg.broker.max_body_bytes  # the broker's, once registered
@@ -77,6 +78,9 @@ class Sampler:
         download_s = self.ensure_version(
             reply.latest_version if required is None else required, reply.latest
         )
+        if self.cancelled(sampler_id, required):
+            self.dropped(jobs, 0, required)
+            return
         task = get_task(self.cfg.task.name)
         t0 = time.perf_counter()
         groups = rollout(
@@ -94,7 +98,14 @@ class Sampler:
             scorer=self.scorer,
         )
         gen_s = time.perf_counter() - t0
-        groups = [g.model_copy(update={"gen_seconds": gen_s / len(jobs)}) for g in groups]
+        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+        throttle_s = self.throttle(sampler_id, required, gen_s)
+        if self.cancelled(sampler_id, required):
+            self.dropped(jobs, tokens, required)
+            return
+        groups = [
+            g.model_copy(update={"gen_seconds": (gen_s + throttle_s) / len(jobs)}) for g in groups
+        ]
         parts, too_big = split_pushes(groups, self.max_body_bytes)
         for g, size in too_big:  # the broker would refuse it (413) however often it was sent
             self.rejected += 1
@@ -119,8 +130,7 @@ class Sampler:
                     )
                 else:
                     self.pushed += 1
-        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-        self.tokens_per_s = tokens / gen_s  # told to the broker with the next lease
+        self.tokens_per_s = tokens / (gen_s + throttle_s)  # told to the broker with the next lease
         if self.metrics:
             self.metrics.write(
                 {
@@ -129,14 +139,62 @@ class Sampler:
                     "jobs": len(jobs),
                     "sampler/tokens": tokens,
                     "sampler/gen_s": gen_s,
+                    "sampler/throttle_s": throttle_s,
                     "sampler/tokens_per_s": self.tokens_per_s,
                     "sampler/download_s": download_s,
                     "sampler/download_bytes": self.weights.downloaded,
                     "sampler/idle_s": self.idle_s,
                     "sampler/rejected": self.rejected,
+                    "sampler/cancelled": self.cancelled_jobs,
+                    "sampler/wasted_tokens": self.wasted_tokens,
                 }
             )
         self.idle_s = 0.0
+
+    def throttle(self, sampler_id: str, required: int | None, gen_s: float) -> float:
+        """SIMULATION of a slower machine (`sampler.slowdown`): wait (slowdown - 1) x the
+        generation's time, as if generating took that much longer, stopping early if the
+        jobs are cancelled meanwhile. Returns the seconds waited."""
+        t0 = time.perf_counter()
+        end = t0 + (self.cfg.sampler.slowdown - 1) * gen_s
+        while (left := end - time.perf_counter()) > 0:
+            time.sleep(min(left, 0.5))
+            if left > 0.5 and self.cancelled(sampler_id, required):
+                break
+        return time.perf_counter() - t0
+
+    def cancelled(self, sampler_id: str, required: int | None) -> bool:
+        """Sync: a newer version than the jobs' is out, so their groups can never be consumed
+        (the broker queued the jobs again when it was published: `broker.overprovision`).
+        Asked with a heartbeat; a broker that does not answer cancels nothing."""
+        if required is None:
+            return False
+        try:
+            return self.client.heartbeat(sampler_id, self.version) > required
+        except BrokerUnavailable:
+            return False
+
+    def dropped(self, jobs: list, tokens: int, required: int | None) -> None:
+        """Stop work on cancelled jobs: nothing is pushed; the tokens are counted as wasted."""
+        self.cancelled_jobs += len(jobs)
+        self.wasted_tokens += tokens
+        log.info(
+            "%s: %d jobs for version %s cancelled (a newer version is out); %d tokens dropped",
+            self.name,
+            len(jobs),
+            required,
+            tokens,
+        )
+        if self.metrics:
+            self.metrics.write(
+                {
+                    "time": time.time(),
+                    "version": self.version,
+                    "jobs": 0,
+                    "sampler/cancelled": self.cancelled_jobs,
+                    "sampler/wasted_tokens": self.wasted_tokens,
+                }
+            )
 
     def info(self) -> SamplerInfo:
         return SamplerInfo(

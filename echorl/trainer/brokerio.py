@@ -99,6 +99,7 @@ def collect(
         "trainer/idle_s": time.perf_counter() - t0,
         "broker/groups_dropped_stale": dropped,
         "broker/auditors": reply.auditors,  # alive at the last pull
+        "broker/wasted_tokens": reply.wasted_tokens,  # sync's cancelled work, so far
     }
 
 

@@ -343,6 +343,61 @@ def test_sync_admission_pins_exactly_one_batch_to_the_latest_version(s):
     assert {j.required_version for j in first + second} == {0}
 
 
+def test_sync_overprovision_leases_spare_jobs_and_the_next_version_cancels_the_rest(s):
+    """Straggler-tolerant sync: B + spare jobs of a version are out at once; the trainer
+    takes the first B groups; publishing the next version queues the jobs still leased for
+    the old one (no attempt, no penalty) and drops its unpulled groups as wasted."""
+    fast, slow = sampler(s, "fast"), sampler(s, "slow")
+    admit = Admission(batch=2, max_staleness=0, pin_version=True, spare=2)
+    s.set_latest_version(0)
+    mine = s.lease(fast, 3, 2, now=0, lease_seconds=10, admit=admit)
+    theirs = s.lease(slow, 3, 2, now=0, lease_seconds=10, admit=admit)
+    assert [len(mine), len(theirs)] == [3, 1]  # B + spare = 4, all pinned to v0
+    for j in mine:
+        push(s, fast, group(s, j.job_id, ids=(20, 21, 22, 1)), [1.0, 0.0], now=1)
+    pulled, _ = s.pull(2, now=2, lease_seconds=10, version=0)
+    assert s.ack([g.job_id for g in pulled], step=0) == 2
+    assert s.set_latest_version(1, cancel_older=True) == (1, 1)  # slow's job; fast's third
+    assert s.wasted() == {"cancelled_jobs": 1, "wasted_groups": 1, "wasted_tokens": 8}
+    assert s.wasted_tokens == 8 and s.counts()["wasted"]["wasted_groups"] == 1
+    with pytest.raises(ProtocolError, match="not leased"):  # the straggler's late group
+        push(s, slow, group(s, theirs[0].job_id), [0, 0], now=3)
+    row = s.db.execute(
+        "SELECT state, attempts, lease_owner FROM jobs WHERE job_id = ?", (theirs[0].job_id,)
+    ).fetchone()
+    assert row == ("queued", 0, None)
+    again = s.lease(slow, 4, 2, now=3, lease_seconds=10, admit=admit)
+    assert again[0].job_id == theirs[0].job_id  # queued first: the problem is not lost
+    assert {j.required_version for j in again} == {1} and len(again) == 4  # not barred
+    assert s.set_latest_version(2) == (0, 0)  # async: nothing is cancelled
+
+
+@pytest.mark.parametrize(
+    "n, speed, fastest, share",
+    [
+        (8, 100.0, 100.0, 8),
+        (8, 60.0, 100.0, 8),
+        (8, 25.0, 100.0, 2),
+        (8, 1.0, 100.0, 1),
+        (8, None, 100.0, 8),
+        (8, 50.0, None, 8),
+    ],
+)
+def test_a_slow_sampler_leases_its_share_of_what_it_asks(n, speed, fastest, share):
+    from echorl.broker.store import fair_share
+
+    assert fair_share(n, speed, fastest) == share
+
+
+def test_leases_by_speed_follow_the_measured_tokens_per_second(s):
+    fast, slow = sampler(s, "fast"), sampler(s, "slow")
+    s.heartbeat(fast, 0, None, 400.0)
+    s.heartbeat(slow, 0, None, 100.0)
+    assert len(s.lease(fast, 8, 2, now=0, lease_seconds=10, by_speed=True)) == 8
+    assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10, by_speed=True)) == 2
+    assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10)) == 8  # off: as asked
+
+
 def test_a_retried_pull_gets_the_same_groups(s):
     fill(s, [0, 0, 0, 0])
     first, _ = s.pull(2, now=2, lease_seconds=10, version=0, request_id="r1")
