@@ -326,7 +326,15 @@ def broker(
         f"echorl broker on http://{cfg.broker.host}:{cfg.broker.port} "
         f"(mode {cfg.broker.mode}, data in {cfg.broker.data_dir})"
     )
-    uvicorn.run(api, host=cfg.broker.host, port=cfg.broker.port, log_level="warning")
+    # A peer that vanished mid-download (its link cut, its machine gone) never closes its
+    # connection: past 3 s, shutdown cancels what is still streaming instead of waiting on it.
+    uvicorn.run(
+        api,
+        host=cfg.broker.host,
+        port=cfg.broker.port,
+        log_level="warning",
+        timeout_graceful_shutdown=3,
+    )
 
 
 def _stop_on_signals():
