@@ -796,6 +796,10 @@ def status(
         console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
     console.print(f"auditors alive: {st.auditors}")
     console.print(f"verifier busy: {st.verifier_busy:.0%}")
+    if st.verifier_error:
+        console.print(
+            f"[yellow]the verifier's first exception:[/yellow] {escape(st.verifier_error)}"
+        )
 
 
 samplers_app = typer.Typer(no_args_is_help=True, help="Manage a broker's samplers (admin).")

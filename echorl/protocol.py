@@ -540,6 +540,8 @@ class PullReply(_Wire):
     dropped_stale: int
     auditors: int = 0  # auditors alive: the trainer leaves the audits it would pay for to them
     wasted_tokens: int = 0  # completion tokens generated for cancelled work so far (sync)
+    verifier_failures: int = 0  # completions scored 0 because the task's verifier failed
+    verifier_error: str | None = None  # the first exception it raised, its last line
 
 
 class AckRequest(_Wire):

@@ -16,6 +16,7 @@ answered, with their status and reason, by one handler in `app.py`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TypeVar
@@ -317,7 +318,9 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
     # The groups as stored (validated when pushed): a PullReply, written without re-encoding.
     reply = (
         f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped},'
-        f'"auditors":{st.auditors_alive()},"wasted_tokens":{st.store.wasted_tokens}}}'
+        f'"auditors":{st.auditors_alive()},"wasted_tokens":{st.store.wasted_tokens},'
+        f'"verifier_failures":{sum(st.verifier.failures.values())},'
+        f'"verifier_error":{json.dumps(st.verifier.first_error)}}}'
     )
     return Response(reply, media_type="application/json")
 

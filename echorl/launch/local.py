@@ -47,6 +47,7 @@ import httpx
 import yaml
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from echorl.config import RunConfig
@@ -462,6 +463,7 @@ class LiveView:
         self.flat = FlatStreak()  # warns only: giving up is the trainer's to decide
         self.warnings: list[str] = []  # not yet printed
         self.gave_up: str | None = None  # the trainer's reason, from its last record
+        self.verifier_failed = 0  # completions the task's verifier failed on (scored 0)
 
     @property
     def step(self) -> int:
@@ -491,6 +493,10 @@ class LiveView:
                 self.progressed = time.monotonic()
             self.version = st["latest_version"]
             self.speed = sum(s["tokens_per_s"] or 0 for s in self.alive)
+            failed = sum(n for kind, n in st["verifier"].items() if kind != "refused")
+            if failed and not self.verifier_failed:  # said once; the count is in the view
+                self.warnings.append(verifier_warning(failed, st.get("verifier_error")))
+            self.verifier_failed = failed
         except (httpx.HTTPError, ValueError, KeyError):
             self.alive, self.version, self.speed = [], "?", 0.0
 
@@ -517,6 +523,7 @@ class LiveView:
         return (
             f"reward {reward} version {self.version} "
             f"samplers {len(self.alive)}/{len(self.swarm.samplers)} {self.speed:.0f} tok/s"
+            + (f" verifier errors {self.verifier_failed}" if self.verifier_failed else "")
         )
 
     def table(self) -> Table:
@@ -530,6 +537,7 @@ class LiveView:
             "samplers",
             "tokens/s",
             "trainer idle s",
+            "verifier errors",
         ):
             table.add_column(col)
         table.add_row(
@@ -542,8 +550,17 @@ class LiveView:
             f"{len(self.alive)}/{len(self.swarm.samplers)}",
             f"{self.speed:.0f}",
             f"{last['trainer/idle_s']:.2f}" if last else "-",
+            str(self.verifier_failed),
         )
         return table
+
+
+def verifier_warning(failed: int, error: str | None) -> str:
+    return (
+        f"the task's verifier failed on {failed} completions, each scored 0"
+        + (f"; the first raised {error}" if error else "")
+        + " (see logs/broker.log)"
+    )
 
 
 def stall_report(swarm: Swarm, view: LiveView, stalled: float) -> str:
@@ -586,6 +603,8 @@ def summarise(out: Path, console: Console) -> dict:
         }
         if wasted := train[-1].get("broker/wasted_tokens"):  # sync, over-provisioned
             summary["wasted_tokens"] = wasted
+        if failed := train[-1].get("verifier/errors"):
+            summary["verifier_errors"] = failed
     if evals:
         summary |= {
             "eval_first": evals[0]["eval/accuracy"],
@@ -607,5 +626,10 @@ def summarise(out: Path, console: Console) -> dict:
             f"[yellow]{summary['flat_steps']} of {len(train)} steps had every group flat (all "
             "rewards equal): they taught the policy nothing"
         )
+    if summary.get("verifier_errors"):
+        error = next(
+            (r["verifier/first_error"] for r in train if "verifier/first_error" in r), None
+        )
+        console.print(f"[yellow]{escape(verifier_warning(summary['verifier_errors'], error))}")
     console.print("plots: " + ", ".join(str(p) for p in plots))
     return summary

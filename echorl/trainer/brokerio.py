@@ -100,6 +100,9 @@ def collect(
         "broker/groups_dropped_stale": dropped,
         "broker/auditors": reply.auditors,  # alive at the last pull
         "broker/wasted_tokens": reply.wasted_tokens,  # sync's cancelled work, so far
+        # Completions scored 0 because the task's own verifier failed (raised, hung, crashed).
+        "verifier/errors": reply.verifier_failures,
+        **({"verifier/first_error": reply.verifier_error} if reply.verifier_error else {}),
     }
 
 

@@ -20,6 +20,7 @@ from tests.integration.conftest import (
     echorl_run,
     free_port,
     learning,
+    read_jsonl,
     reward_pairs,
     start_broker,
     stop_broker,
@@ -77,6 +78,22 @@ def test_a_user_task_by_file_path_learns_through_the_swarm(tmp_path):
     # Measured: held-out sampled pass@1 (partial credit) 0.39 -> 0.44, train reward 0.587 ->
     # 0.658 and 0.619 -> 0.662 on two CPUs.
     assert first > 0.05 and last > first and after >= before + 0.025, (first, last, before, after)
+
+
+def test_a_reward_function_that_raises_is_counted_and_shown(tmp_path, warm_add):
+    """Not only logged: `verifier/errors` per step, the first exception's last line, and
+    both in the run summary."""
+    out = tmp_path / "run"
+    task = f"task.name={Path(__file__).parents[1] / 'fixtures' / 'buggy_task.py'}:AddBuggy"
+    shown = echorl_run(
+        out, task, f"model.path={warm_add}", "train.steps=8", "train.eval_prompts=20"
+    )
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert train[-1]["verifier/errors"] > 0, train[-1]
+    assert train[-1]["verifier/first_error"] == "ZeroDivisionError: division by zero"
+    summary = " ".join(shown.split())
+    assert f"verifier_errors │ {train[-1]['verifier/errors']}" in summary, shown[-2000:]
+    assert "the first raised ZeroDivisionError: division by zero" in summary, shown[-2000:]
 
 
 def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
