@@ -81,6 +81,8 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
         assert f"cores: trainer {cores[0]}; broker, samplers, uploads" in shown
 
 
+# slow (~50 s, two runs): the default suite's 15 minutes.
+@pytest.mark.slow
 def test_async_with_staleness_zero_reproduces_sync(tmp_path, warm_add):
     """Same seed, same consumed versions, same jobs per step, same losses."""
     runs = {}

@@ -75,6 +75,8 @@ def test_two_ranks_make_the_single_process_steps(tmp_path, solo, strategy):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
+# slow (~40 s): the default suite's 15 minutes; the 2-rank steps above are the fast check.
+@pytest.mark.slow
 def test_a_two_rank_ddp_trainer_learns_in_a_swarm(tmp_path, warm_add):
     out = tmp_path / "run"
     shown = echorl_run(

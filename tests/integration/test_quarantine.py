@@ -185,6 +185,8 @@ def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, wa
     assert mean(honest[-10:]) >= mean(honest[:10]), honest
 
 
+# slow (~1.5 min): the default suite's 15 minutes; the test above runs the same swarm.
+@pytest.mark.slow
 def test_an_auditor_takes_the_extra_passes_off_the_trainer_and_catches_every_liar(
     tmp_path, warm_add
 ):

@@ -36,6 +36,9 @@ def honest(out):
     return pairs and all(broker == claimed for broker, claimed in pairs)
 
 
+# slow (~1.5 min each, with their warm-ups): the default suite's 15 minutes; a user task by
+# file path runs through the swarm fast in test_a_reward_function_that_raises_...
+@pytest.mark.slow
 def test_a_jsonl_file_of_problems_learns_through_the_swarm(tmp_path):
     rng = random.Random(0)
     lines = []
@@ -69,6 +72,7 @@ def test_a_reasoning_gym_dataset_learns_through_the_swarm(tmp_path):
     assert last >= first + 0.02, (first, last)
 
 
+@pytest.mark.slow
 def test_a_user_task_by_file_path_learns_through_the_swarm(tmp_path):
     out = tmp_path / "run"
     task = f"task.name={EXAMPLES / 'custom_task.py'}:SortDigits"
