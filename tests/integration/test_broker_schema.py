@@ -12,7 +12,7 @@ from echorl.config import load_config
 from echorl.protocol import MAX_WAIT_S
 from tests.integration.conftest import SAMPLER, TRAINER
 
-EXAMPLES_PER_ROUTE = 40  # x 20 routes; the long polls may wait their wait_s
+EXAMPLES_PER_ROUTE = 20  # x 20 routes; the long polls may wait their wait_s
 
 
 def test_no_generated_request_makes_the_broker_fail(tmp_path):

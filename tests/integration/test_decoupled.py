@@ -118,6 +118,8 @@ def test_async_with_staleness_zero_reproduces_sync(tmp_path, warm_add):
         assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-5)
 
 
+# slow (~65 s): the default suite's 15 minutes; test_faults resumes a killed trainer fast.
+@pytest.mark.slow
 def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, warm_add):
     """SIGINT to `echorl run`: the trainer checkpoints, every child exits, nothing is left
     listening; `echorl run --resume` then finishes with each step trained on B groups once."""
