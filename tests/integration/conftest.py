@@ -1,6 +1,7 @@
 """Fixtures that start real broker processes on loopback ports."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -258,4 +259,6 @@ def warm_add(tmp_path_factory):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, last = map(float, re.search(r"warm-up loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    assert last < 0.5 * first, proc.stdout  # the warm-up learned the demonstrations
     return out

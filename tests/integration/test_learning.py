@@ -1,4 +1,5 @@
-"""The reference loop really learns: warm-up + 120 GRPO steps on the 1m model, fixed seeds.
+"""The reference loop really learns: 120 GRPO steps on the 1m model warmed up on `add` (the
+session's `warm_add`, as `echorl sft` makes it), fixed seeds.
 
 Measured on this config (2-digit addition, 200 held-out prompts, 8 samples each): sampled
 pass@1 0.47 -> 0.62, 0.63, 0.64 (task seeds 0, 1, 2). Greedy accuracy moved 0.78 -> 0.805-0.87
@@ -7,16 +8,13 @@ on the same CPU and 0.725 -> 0.885 on another: too CPU-bound for a fixed margin.
 
 from echorl.config import load_config
 from echorl.metrics import read_metrics
-from echorl.models import build_tiny_model
-from echorl.tasks import get_task
 from echorl.trainer.colocated import run_colocated
-from echorl.trainer.sft import warm_up
 from tests.integration.conftest import SAMPLED
 
 MARGIN = 0.08  # held-out sampled pass@1 that RL must add (measured +0.15)
 
 
-def test_warm_up_then_grpo_beats_the_warm_start(tmp_path):
+def test_grpo_beats_the_warm_start(tmp_path, warm_add):
     cfg = load_config(
         None,
         [
@@ -27,13 +25,7 @@ def test_warm_up_then_grpo_beats_the_warm_start(tmp_path):
             SAMPLED,
         ],
     )
-    model, tok = build_tiny_model(cfg.model.preset, cfg.model.init_seed)
-    losses = warm_up(model, tok, get_task("add"), cfg.sft)
-    assert losses[-1] < 0.5 * losses[0]
-    model.save_pretrained(tmp_path / "sft")
-    tok.save_pretrained(tmp_path / "sft")
-
-    result = run_colocated(cfg, tmp_path / "sft")
+    result = run_colocated(cfg, warm_add)
 
     assert 0.05 < result.before.accuracy < 0.95, "warm-up must leave room for RL"
     assert result.after.pass1 >= result.before.pass1 + MARGIN, (result.before, result.after)
