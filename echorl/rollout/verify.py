@@ -227,6 +227,8 @@ class _Worker:
         said = self._recv() if self.conn.poll(0) else "no answer"
         if said != "ready":
             self.stop()
+            if self.closing.is_set():  # the pool's close stopped it starting: no failure
+                raise _Closed
             raise RuntimeError(
                 f"a verifier worker for task {self.spec.task!r} failed to start: {said}"
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from echorl.rollout.follow import WeightFollower
 from echorl.rollout.generate import rollout
 from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
+from echorl.stopping import Interrupted, Stop
 from echorl.tasks import get_task
 
 log = logging.getLogger("echorl.sampler")
@@ -218,17 +220,20 @@ class Sampler:
         sampler_id, self.max_body_bytes = terms.sampler_id, terms.max_body_bytes
         log.info("%s registered as %s", self.name, sampler_id)
         outage = Outage(self.name)
+        idle = stop.idle if isinstance(stop, Stop) else nullcontext
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
-                # A long poll: the broker answers as soon as jobs are admitted.
-                reply = self.client.lease(
-                    sampler_id,
-                    self.cfg.sampler.jobs_per_lease,
-                    self.cfg.sampler.lease_wait_s,
-                    self.version,
-                    self.tokens_per_s,
-                )
+                # A long poll: the broker answers as soon as jobs are admitted. It holds no work
+                # yet, so a stop signal ends it at once (what it was handed goes back on leaving).
+                with idle():
+                    reply = self.client.lease(
+                        sampler_id,
+                        self.cfg.sampler.jobs_per_lease,
+                        self.cfg.sampler.lease_wait_s,
+                        self.version,
+                        self.tokens_per_s,
+                    )
                 self.idle_s += time.perf_counter() - t0
                 if reply.jobs:  # silent this long, it would be lost, and its lease with it
                     with Heartbeat(self.client, sampler_id, terms.heartbeat_s, self):
@@ -242,8 +247,11 @@ class Sampler:
                     raise
                 log.warning("%s: %s; leasing again", self.name, e)  # e.g. a version deleted
                 stop.wait(0.5)
+            except Interrupted:
+                pass  # stopped mid-poll
         try:  # hand back what it will not finish, so nobody waits for the lease to expire
-            self.client.leave(sampler_id)
+            with self.client.clone() as client:  # new connections: a cut poll spent one
+                client.leave(sampler_id)
         except (BrokerUnavailable, BrokerRejected):
             log.warning("%s: could not tell the broker it left; its leases will expire", self.name)
         if self.metrics:
