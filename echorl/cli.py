@@ -15,6 +15,7 @@ import gc
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download
@@ -384,6 +385,7 @@ def sampler(
 
     from echorl.client import BrokerClient, BrokerRejected
     from echorl.metrics import MetricsLog
+    from echorl.rollout.peers import PeerServer, Shelf
     from echorl.rollout.verify import run_pool
     from echorl.sampler.loop import Sampler
 
@@ -391,14 +393,17 @@ def sampler(
         torch.set_num_threads(cfg.sampler.threads)
     stop = _stop_on_signals()
     backend = _sampler_backend(cfg)
+    serve = cfg.sampler.serve_peers
     with (
         BrokerClient(url, token, retries=10, cancel=stop) as client,
         tempfile.TemporaryDirectory() as cache,
         run_pool(cfg, backend.codec) as scorer,
+        PeerServer(Shelf(), port=cfg.sampler.peer_port) if serve else nullcontext() as peers,
     ):
         log = MetricsLog(metrics) if metrics else None
-        worker = Sampler(client, backend, cfg, name, Path(cache), log, scorer)
-        console.print(f"{name}: sampling for {url}")
+        worker = Sampler(client, backend, cfg, name, Path(cache), log, scorer, peers)
+        serving = f"; serving peers on port {peers.port}" if peers else ""
+        console.print(f"{name}: sampling for {url}{serving}")
         try:
             worker.run(stop)
         except BrokerRejected as e:  # refused (registration, revoked, quarantined): final
@@ -789,6 +794,7 @@ def status(
         ("audits", st.audits),
         ("verifier", st.verifier),
         ("wasted (sync's cancelled work)", st.wasted),
+        ("weights fetched from", st.weight_sources),
     ):
         console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
     console.print(f"auditors alive: {st.auditors}")

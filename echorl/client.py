@@ -18,7 +18,6 @@ Connection errors and 5xx are retried with exponential backoff and full jitter
 from __future__ import annotations
 
 import hashlib
-import io
 import random
 import threading
 import time
@@ -56,10 +55,13 @@ from echorl.protocol import (
     RunInfo,
     SamplerInfo,
     ScoredGroup,
+    SourceRequest,
     StatusReply,
     TrainerHello,
+    WeightSource,
     WeightVersion,
 )
+from echorl.transfer import Partial
 
 CHUNK = 1 << 20
 
@@ -97,6 +99,7 @@ class BrokerClient:
         self.url, self.token, self.timeout = url, token, timeout
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.cancel = cancel or threading.Event()
+        self._peer_http: httpx.Client | None = None  # for weights from peers, made when needed
 
     def settings(self) -> dict:
         """What makes another client like this one, in this process or another (plain
@@ -116,6 +119,8 @@ class BrokerClient:
 
     def close(self) -> None:
         self.http.close()
+        if self._peer_http is not None:
+            self._peer_http.close()
 
     def __enter__(self) -> BrokerClient:
         return self
@@ -246,40 +251,60 @@ class BrokerClient:
             self._request("GET", f"/v1/versions/{version}").content
         )
 
+    def source(self, version: int, failed: str | None = None) -> WeightSource:
+        """Where to fetch `version`: a peer (its url and the broker's ticket for it) or the
+        broker itself (url None). `failed`: the peer named last time, which did not deliver."""
+        body = SourceRequest(failed=failed)
+        return self._post(f"/v1/versions/{version}/source", body, WeightSource)
+
+    def receive(self, info: WeightVersion, into: Partial, source: WeightSource | None = None):
+        """Fill `into` with `info`'s bytes from `source` (a peer) or the broker, resuming with
+        a Range request after a cut and starting over after wrong bytes (sha256); raises
+        BrokerUnavailable if they cannot be had whole and right (a peer is given two tries:
+        the broker is the fallback)."""
+        peer = source is not None and source.url is not None
+        for _ in range(2 if peer else self.retries + 1):
+            if self._stream(info, into, source if peer else None):
+                continue  # broke off: resume from what arrived
+            if into.whole:
+                return
+            into.restart()  # wrong bytes: start over
+        where = f"peer {source.url}" if peer else "the broker"
+        raise BrokerUnavailable(
+            None, f"could not download version {info.version} intact from {where}"
+        )
+
     def download(self, version: WeightVersion, dest: Path) -> Path:
-        """Stream `version` to `dest`, resuming a partial `dest.part` with a Range request, and
-        verify its sha256; `dest` appears only when the bytes are whole and right."""
-        part = dest.with_name(dest.name + ".part")
-        for _ in range(self.retries + 1):
-            with part.open("ab") as f:
-                if self._stream_weights(version.version, f, f.tell()):
-                    continue  # broke off: resume from what arrived
-            if _sha256(part) == version.sha256:
-                part.replace(dest)
-                return dest
-            part.unlink()  # corrupt: start over
-        raise BrokerUnavailable(None, f"could not download version {version.version} intact")
+        """Stream `version` to `dest`, resuming a partial `dest.part`, verified; `dest`
+        appears only when the bytes are whole and right."""
+        part = Partial(version.sha256, version.size_bytes, dest.with_name(dest.name + ".part"))
+        try:
+            self.receive(version, part)
+        finally:
+            part.close()
+        part.path.replace(dest)
+        return dest
 
     def fetch(self, version: WeightVersion) -> bytes:
         """`version`'s bytes, in memory, verified: for weights small enough to hold twice
         (no file written, then read back to hash and again to load)."""
-        buf = io.BytesIO()
-        for _ in range(self.retries + 1):
-            if self._stream_weights(version.version, buf, buf.tell()):
-                continue  # broke off: resume from what arrived
-            data = buf.getvalue()
-            if hashlib.sha256(data).hexdigest() == version.sha256:
-                return data
-            buf = io.BytesIO()  # corrupt: start over
-        raise BrokerUnavailable(None, f"could not download version {version.version} intact")
+        part = Partial(version.sha256, version.size_bytes)
+        self.receive(version, part)
+        return part.value()
 
-    def _stream_weights(self, version: int, out, have: int) -> bool:
-        """Append the weights from byte `have` on to `out`; True if the transfer broke off
-        (after a backoff: call again to resume), False once the broker sent the rest."""
+    def _stream(self, info: WeightVersion, into: Partial, peer: WeightSource | None) -> bool:
+        """Append `info`'s bytes from `into.have` on, from `peer` or the broker; True if the
+        transfer broke off (after a backoff: call again to resume), False once the source
+        sent the rest (or more than the version holds: wrong bytes)."""
+        if peer is None:
+            http, url, headers = self.http, f"/v1/weights/{info.version}", {}
+        else:  # not the broker's client: a peer never sees this sampler's credential
+            http, url = self._peers(), f"{peer.url}/v1/peer/weights/{info.sha256}"
+            headers = {"Authorization": f"Bearer {peer.ticket}"}
+        if into.have:
+            headers["Range"] = f"bytes={into.have}-"
         try:
-            with self.http.stream(
-                "GET", f"/v1/weights/{version}", headers={"Range": f"bytes={have}-"} if have else {}
-            ) as r:
+            with http.stream("GET", url, headers=headers) as r:
                 if r.status_code == 416:  # nothing after `have`: already whole
                     return False
                 if r.status_code >= 400:
@@ -287,15 +312,21 @@ class BrokerClient:
                     raise (BrokerRejected if r.status_code < 500 else BrokerUnavailable)(
                         r.status_code, _reason(r)
                     )
-                if r.status_code != 206:  # the broker sent it all again
-                    out.seek(0)
-                    out.truncate()
+                if r.status_code != 206:  # the source sent it all again
+                    into.restart()
                 for chunk in r.iter_bytes(CHUNK):
-                    out.write(chunk)
+                    into.write(chunk)
+                    if into.have > info.size_bytes:
+                        break  # not this version
             return False
         except (httpx.TransportError, BrokerUnavailable):
             time.sleep(self.backoff)
             return True
+
+    def _peers(self) -> httpx.Client:
+        if self._peer_http is None:
+            self._peer_http = httpx.Client(timeout=self.timeout)
+        return self._peer_http
 
     def status(self, limit: int = 100) -> StatusReply:
         """The swarm at a glance: every sampler counted by state, the `limit` most relevant

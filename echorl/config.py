@@ -250,6 +250,15 @@ class BrokerConfig(_Section):
         "a fraction f < 1/2 of the fastest sampler's tokens/s leases about f x the jobs it "
         "asks for (at least 1), so a slow machine holds few jobs and its lease fits its speed",
     )
+    peer_fanout: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="weights from peers: a sampler that serves peers (sampler.serve_peers) "
+        "passes a version on to at most this many others, while it is still arriving, and "
+        "the broker itself serves this many directly; the rest of the swarm fetches down the "
+        "tree. 0 = every sampler fetches from the broker",
+    )
     trainer_lease_seconds: float = Field(
         300.0, gt=0.0, le=86400.0, description="how long pulled groups wait for an ack"
     )
@@ -466,6 +475,19 @@ class SamplerConfig(_Section):
     )
     threads: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
+    )
+    serve_peers: bool = Field(
+        False,
+        description="serve the weights this sampler holds (and the version arriving) to "
+        "peers the broker sends to it (checked by sha256; a failing peer sends them back to "
+        "the broker): the broker's uplink carries a version about once, not once per sampler",
+    )
+    peer_port: int = Field(0, ge=0, le=65535, description="serve_peers: port (0 = any free)")
+    peer_host: str | None = Field(
+        None,
+        pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253})$",
+        description="serve_peers: the address peers reach this sampler at; unset = the "
+        "address this machine reaches the broker from",
     )
     lease_wait_s: float = Field(
         2.0,

@@ -25,6 +25,8 @@ MAX_GROUP_SIZE = 1024
 MAX_COMPLETION_TOKENS = 32768
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no slashes, no dots first: safe in paths
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+# Where a sampler serves weights to its peers: http, a host (name, IPv4 or [IPv6]), a port.
+PEER_URL_PATTERN = r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
 MAX_PROMPT_TOKENS = 1 << 17
 MAX_TASK_NAME = 4096  # a built-in name, jsonl:PATH, rg:DATASET or module:Name
 MAX_ID = 2**62  # ids, versions and steps fit SQLite's signed 64-bit integers
@@ -119,6 +121,12 @@ class SamplerInfo(_Wire):
         "broker refuses one that is not the run's",
     )
     task: str = Field(min_length=1, max_length=MAX_TASK_NAME, description="the task it runs")
+    peer_url: str | None = Field(
+        None,
+        pattern=PEER_URL_PATTERN,
+        description="where it serves the weights it holds to peers the broker sends there "
+        "(http://host:port); None: it fetches, never serves",
+    )
 
     @field_validator("hardware")
     @classmethod
@@ -391,6 +399,11 @@ class RegisterReply(_Wire):
     max_body_bytes: int = Field(
         16 << 20, ge=1024, description="the largest push the broker reads (413 beyond)"
     )
+    peer_secret: str | None = Field(
+        None,
+        description="a sampler that serves peers: the secret under which the broker's tickets "
+        "for its weights are made (echorl/rollout/peers.py)",
+    )
 
 
 class OperatorRequest(_Wire):
@@ -454,6 +467,8 @@ class StatusReply(_Wire):
     audits: dict[str, int] = {}  # consumed groups' audits by state (open, leased, done, missed)
     auditors: int = 0  # auditors alive
     wasted: dict[str, int] = {}  # sync's cancelled work: cancelled_jobs, wasted_groups, _tokens
+    # Versions fetched, by where the broker sent the sampler: "broker" or "peer" (fan-out)
+    weight_sources: dict[str, int] = {}
 
 
 class HeartbeatRequest(_Wire):
@@ -466,6 +481,25 @@ class HeartbeatRequest(_Wire):
 # A long poll is held at most this long: under any client's read timeout, and short enough
 # that a process asked to stop is not kept waiting.
 MAX_WAIT_S = 10.0
+
+
+class SourceRequest(_Wire):
+    """sampler -> broker: where do I fetch this version?"""
+
+    failed: str | None = Field(
+        None,
+        pattern=PEER_URL_PATTERN,
+        description="the peer named last time, which did not deliver (no answer, a cut, "
+        "wrong bytes): it is not named again for this version",
+    )
+
+
+class WeightSource(_Wire):
+    """broker -> sampler: fetch the version from this peer, showing it the ticket; or, with
+    url None, from the broker (`GET /v1/weights/{version}`)."""
+
+    url: str | None = Field(None, pattern=PEER_URL_PATTERN)
+    ticket: str | None = Field(None, pattern=SHA256_PATTERN)
 
 
 class LeaseRequest(HeartbeatRequest):

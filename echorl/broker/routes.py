@@ -65,8 +65,10 @@ from echorl.protocol import (
     RunInfo,
     SamplerInfo,
     SamplerStatus,
+    SourceRequest,
     StatusReply,
     TrainerHello,
+    WeightSource,
     WeightVersion,
 )
 
@@ -141,6 +143,7 @@ async def register(
         credential=credential,
         heartbeat_s=b.sampler_timeout / 3,
         max_body_bytes=b.max_body_bytes,
+        peer_secret=st.fanout.join(sampler_id, info.peer_url) if info.peer_url else None,
     )
 
 
@@ -169,6 +172,7 @@ async def leave(
     caller.acts_as(sampler_id)
     returned = await st.write(st.store.leave, sampler_id)
     st.auth.forget(sampler_id)
+    st.fanout.forget(sampler_id)
     if returned:
         st.jobs_bell.ring()
     return LeaveReply(returned=returned)
@@ -190,6 +194,7 @@ def revoke(sampler_id: str = SamplerId, st: BrokerState = State) -> RevokeReply:
     """The admin's: this sampler's credential is refused from now on, its leases returned."""
     returned = st.store.revoke(sampler_id)
     st.auth.forget(sampler_id, revoked=True)
+    st.fanout.forget(sampler_id)
     st.jobs_bell.ring()
     log.warning("sampler %s revoked; %d leased jobs returned", sampler_id, returned)
     return RevokeReply(returned=returned)
@@ -419,6 +424,15 @@ def describe(version: int = Version, st: BrokerState = State) -> WeightVersion:
     return st.weights.describe(version)
 
 
+@router.post("/v1/versions/{version}/source")
+def source(
+    body: SourceRequest, version: int = Version, caller: Caller = SAMPLER, st: BrokerState = State
+) -> WeightSource:
+    """Where this sampler fetches `version`: the broker or a peer (broker/fanout.py)."""
+    info = st.weights.describe(version)  # 404 for a version not stored
+    return st.fanout.source(version, info.sha256, caller.sampler_id or "", body.failed)
+
+
 class WeightsResponse(FileResponse):
     chunk_size = 1 << 20  # weights are large: fewer, bigger writes than the default 64 KiB
 
@@ -446,5 +460,6 @@ def status(limit: int = Query(100, ge=0, le=100_000), st: BrokerState = State) -
         verifier_busy=st.verifier.utilisation(),
         verifier_error=st.verifier.first_error,
         auditors=st.auditors_alive(),
+        weight_sources=dict(st.fanout.named),
         **st.store.counts(),
     )

@@ -19,6 +19,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from echorl.broker.auth import Auth, RateLimit
+from echorl.broker.fanout import FanOut
 from echorl.broker.intake import Limits, PushParser
 from echorl.broker.store import Admission, BrokerStore, Probation
 from echorl.broker.swarm import Quarantine
@@ -171,6 +172,7 @@ class BrokerState:
     # the trainer's lane goes first (sampler traffic never queues in front of it).
     writer: Writer
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
+    fanout: FanOut  # which sampler fetches a weight version from whom
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
     # Registrations per enrolment token and per client address (a sybil's identities).
     registrations: RateLimit = field(default_factory=lambda: RateLimit(0, 1))
@@ -283,6 +285,8 @@ class BrokerState:
             return {}
         policy = Quarantine(q.min_tokens, q.max_mean_abs, q.max_kl, q.max_beyond, q.decay)
         quarantined = dict(self.store.audit(groups, policy, step))
+        for sampler_id in quarantined:
+            self.fanout.forget(sampler_id)
         self.metrics.quarantined.inc(len(quarantined))
         if quarantined:
             self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again
@@ -426,6 +430,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         parser=parser,
         writer=Writer(store),
         push_slots=asyncio.Semaphore(b.push_slots),
+        fanout=FanOut(b.peer_fanout),
     )
     for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group)

@@ -4,7 +4,8 @@ A sampler holds the version its jobs need; an auditor the version whose groups i
 Both ask for a version by number and get it loaded unless it is already held. Weights are
 known by sha256 too (a resumed trainer may re-publish a number with other weights). An
 adapter version (LoRA) is applied on its full base version, loaded first if need be;
-adapters still resident in the backend cost nothing.
+adapters still resident in the backend cost nothing. The bytes come from where the broker
+says: itself, or a peer already holding or fetching the version (echorl/rollout/peers.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from safetensors.torch import load, load_file
 from echorl.client import BrokerClient
 from echorl.protocol import WeightVersion
 from echorl.rollout.backend import Backend
+from echorl.rollout.peers import Shelf, obtain
+from echorl.transfer import Partial
 
 log = logging.getLogger("echorl.weights")
 
@@ -26,12 +29,23 @@ IN_MEMORY_BYTES = 256 << 20  # weights up to this size are fetched into memory, 
 
 
 class WeightFollower:
-    def __init__(self, client: BrokerClient, backend: Backend, cache: Path, name: str = ""):
+    def __init__(
+        self,
+        client: BrokerClient,
+        backend: Backend,
+        cache: Path,
+        name: str = "",
+        shelf: Shelf | None = None,
+    ):
+        """`shelf`: where the versions fetched are kept for peers (a sampler that serves them)."""
         self.client, self.backend, self.cache, self.name = client, backend, cache, name
+        self.shelf = shelf
         self.held: tuple[int, str] | None = None  # (version, sha256) in use now
         self.base: tuple[int, str] | None = None  # the full version under the adapters
         self.adapters: dict[int, str] = {}  # resident adapter versions -> sha256
         self.downloaded = 0  # bytes of weights fetched
+        self.from_peers = 0  # of them, bytes from peers
+        self.peer_failures = 0  # peers that did not deliver
         cache.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -69,12 +83,32 @@ class WeightFollower:
             self.base, self.adapters = (info.version, info.sha256), {}
 
     def _fetch(self, info: WeightVersion) -> dict[str, torch.Tensor]:
-        """The tensors of `info`, verified against its sha256 on the way."""
+        """The tensors of `info`, verified against its sha256 on the way; on the shelf for
+        peers (while they arrive, and after) if this sampler serves them."""
         self.downloaded += info.size_bytes
-        if info.size_bytes <= IN_MEMORY_BYTES:
-            return load(self.client.fetch(info))
-        # large: stream to disk (resumable), then map it
-        path = self.client.download(info, self.cache / f"v{info.version}.safetensors")
-        weights = load_file(path)
-        path.unlink()
+        big = info.size_bytes > IN_MEMORY_BYTES  # streamed to disk (resumable), then mapped
+        part = Partial(
+            info.sha256, info.size_bytes, self.cache / f"v{info.version}.part" if big else None
+        )
+        if self.shelf is not None:
+            self.shelf.put(part)
+        try:
+            self._receive(info, part)
+        except BaseException:
+            part.fail()
+            if self.shelf is not None:
+                self.shelf.drop(info.sha256)
+            raise
+        finally:
+            part.close()
+        if not big:
+            return load(part.value())
+        weights = load_file(part.path)
+        if self.shelf is None:
+            part.path.unlink()  # else the shelf deletes it when the version goes
         return weights
+
+    def _receive(self, info: WeightVersion, part: Partial) -> None:
+        got = obtain(self.client, info, part, self.name)
+        self.from_peers += info.size_bytes if got.peer else 0
+        self.peer_failures += got.failures

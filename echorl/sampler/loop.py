@@ -31,6 +31,7 @@ from echorl.protocol import LeaseReply, SamplerInfo, ScoredGroup, WeightVersion
 from echorl.rollout.backend import Backend
 from echorl.rollout.follow import WeightFollower
 from echorl.rollout.generate import rollout
+from echorl.rollout.peers import PeerServer, reachable_host
 from echorl.rollout.verify import VerifierPool
 from echorl.seeding import derive_seed
 from echorl.stopping import Interrupted, Stop
@@ -53,11 +54,14 @@ class Sampler:
         cache: Path,
         metrics: MetricsLog | None = None,
         scorer: VerifierPool | None = None,
+        peers: PeerServer | None = None,
     ):
+        """`peers`: this sampler's server of weights to its peers (`sampler.serve_peers`)."""
         self.client, self.backend, self.cfg, self.name = client, backend, cfg, name
         self.scorer = scorer  # its own claims, scored in a bounded worker process
-        self.cache, self.metrics = cache, metrics
-        self.weights = WeightFollower(client, backend, cache, name)  # the version generating
+        self.cache, self.metrics, self.peers = cache, metrics, peers
+        shelf = peers.shelf if peers else None
+        self.weights = WeightFollower(client, backend, cache, name, shelf)  # the version in use
         self.pushed = self.rejected = 0
         self.cancelled_jobs = self.wasted_tokens = 0  # sync: work for a version gone by
         self.idle_s = 0.0  # in leases, waiting for admitted jobs, since the last batch
@@ -148,6 +152,9 @@ class Sampler:
                     "sampler/tokens_per_s": self.tokens_per_s,
                     "sampler/download_s": download_s,
                     "sampler/download_bytes": self.weights.downloaded,
+                    "sampler/peer_bytes": self.weights.from_peers,
+                    "sampler/peer_failures": self.weights.peer_failures,
+                    "sampler/served_bytes": self.peers.served if self.peers else 0,
                     "sampler/idle_s": self.idle_s,
                     "sampler/rejected": self.rejected,
                     "sampler/cancelled": self.cancelled_jobs,
@@ -210,6 +217,9 @@ class Sampler:
             backend=self.cfg.sampler.backend,
             tokenizer=self.backend.codec.fingerprint,
             task=get_task(self.cfg.task.name).name,
+            peer_url=self.peers.url(self.cfg.sampler.peer_host or reachable_host(self.client.url))
+            if self.peers
+            else None,
         )
 
     def run(self, stop: threading.Event) -> None:
@@ -218,6 +228,8 @@ class Sampler:
         samplers), or later (401/403: it was revoked)."""
         terms = self.client.join(self.info())
         sampler_id, self.max_body_bytes = terms.sampler_id, terms.max_body_bytes
+        if self.peers:
+            self.peers.secret = terms.peer_secret
         log.info("%s registered as %s", self.name, sampler_id)
         outage = Outage(self.name)
         idle = stop.idle if isinstance(stop, Stop) else nullcontext

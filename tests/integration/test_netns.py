@@ -39,11 +39,11 @@ from echorl.protocol import SamplerInfo
 
 url, token, identity, dest = sys.argv[1:5]
 starts = []
-stream = BrokerClient._stream_weights
-def noted(self, version, out, have):
-    starts.append(have)
-    return stream(self, version, out, have)
-BrokerClient._stream_weights = noted
+stream = BrokerClient._stream
+def noted(self, info, into, peer):
+    starts.append(into.have)
+    return stream(self, info, into, peer)
+BrokerClient._stream = noted
 with BrokerClient(url, token, timeout=2.0, retries=30, backoff=0.5) as client:
     client.register(SamplerInfo(name="behind-a-cable", **json.loads(identity)))
     client.download(client.latest(), Path(dest))

@@ -1,0 +1,197 @@
+"""Samplers serve the weights they hold (or are fetching) to their peers.
+
+A new version's bytes need not all come from the broker: the broker names, for each sampler
+that asks, a source (`POST /v1/versions/{v}/source`): itself for the first few, and after that
+a sampler already fetching or holding the version. A sampler serves a version while it is
+still arriving (each chunk is passed on as soon as it is in): the swarm updates in a pipeline,
+about the time of one download from the broker plus the tree's depth in chunks, however many
+samplers there are.
+
+Nothing a peer sends is trusted: the bytes are checked against the sha256 the broker states,
+and any failure (no answer, a cut, a wrong hash) sends the sampler to the broker, with the
+peer reported so that it is not named again for that version. A peer serves only a caller
+holding a ticket from the broker for that sha256 (an HMAC under the secret the broker gave
+the peer at registration), so the weights go nowhere the broker did not send them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from echorl.client import BrokerClient, BrokerError
+from echorl.protocol import WeightVersion
+from echorl.transfer import Partial
+
+log = logging.getLogger("echorl.peers")
+
+CHUNK = 1 << 20  # bytes per write to a peer
+PEER_TRIES = 3  # peers tried for one version before the broker
+
+
+@dataclass
+class Obtained:
+    peer: str | None  # the peer that delivered, or None: the broker did
+    failures: int  # peers that did not
+
+
+def obtain(client: BrokerClient, info: WeightVersion, part: Partial, name: str) -> Obtained:
+    """`info`'s bytes into `part`, from the source the broker names (a peer, with a ticket,
+    or itself), trying up to PEER_TRIES peers, each failure reported with the next ask; from
+    the broker once it names itself or they all failed."""
+    failed, failures = None, 0
+    for _ in range(PEER_TRIES):
+        source = client.source(info.version, failed)
+        if source.url is None:
+            break
+        try:
+            client.receive(info, part, source)
+            return Obtained(source.url, failures)
+        except BrokerError as e:  # no answer, a cut, wrong bytes
+            log.warning(
+                "%s: peer %s did not deliver version %d (%s); asking the broker again",
+                name,
+                source.url,
+                info.version,
+                e,
+            )
+            failed, failures = source.url, failures + 1
+            part.restart()
+    client.receive(info, part)
+    return Obtained(None, failures)
+
+
+def ticket(secret: str, sha256: str) -> str:
+    """What a peer with `secret` accepts as leave to read the version with `sha256`."""
+    return hmac.new(secret.encode(), sha256.encode(), hashlib.sha256).hexdigest()
+
+
+class Shelf:
+    """The versions a sampler can serve, by sha256: the one it holds and the one arriving."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.parts: dict[str, Partial] = {}
+        self.lock = threading.Lock()
+
+    def put(self, part: Partial) -> None:
+        with self.lock:
+            gone = [self.parts.pop(part.sha256, None)]
+            self.parts[part.sha256] = part
+            while len(self.parts) > self.keep:  # the oldest goes (dicts keep insertion order)
+                gone.append(self.parts.pop(next(iter(self.parts))))
+        for old in gone:
+            if old is not None and old.path is not None:
+                old.path.unlink(missing_ok=True)
+
+    def drop(self, sha256: str) -> None:
+        with self.lock:
+            part = self.parts.pop(sha256, None)
+        if part is not None and part.path is not None:
+            part.path.unlink(missing_ok=True)
+
+    def get(self, sha256: str) -> Partial | None:
+        with self.lock:
+            return self.parts.get(sha256)
+
+
+RANGE = re.compile(r"bytes=(\d+)-$")
+
+
+class PeerServer:
+    """A sampler's weights server for its peers: `GET /v1/peer/weights/{sha256}` with the
+    broker's ticket as bearer token, `Range: bytes=N-` to resume. In a thread of its own."""
+
+    def __init__(self, shelf: Shelf, host: str = "0.0.0.0", port: int = 0):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # not on stderr: the sampler's log is for people
+                log.debug("peer: " + args[0], *args[1:])
+
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                server.serve(self)
+
+        self.shelf = shelf
+        self.secret: str | None = None  # the broker's, given at registration
+        self.served = 0  # bytes sent to peers
+        self.http = ThreadingHTTPServer((host, port), Handler)
+        self.http.daemon_threads = True
+        self.port = self.http.server_address[1]
+        self.thread = threading.Thread(target=self.http.serve_forever, name="peers", daemon=True)
+
+    def serve(self, req: BaseHTTPRequestHandler) -> None:
+        match = re.fullmatch(r"/v1/peer/weights/([0-9a-f]{64})", req.path)
+        part = match and self.shelf.get(match[1])
+        if part is None:
+            return _refuse(req, 404, "not held here")
+        given = req.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.secret is None or not hmac.compare_digest(given, ticket(self.secret, part.sha256)):
+            return _refuse(req, 403, "no ticket from the broker for this version")
+        start = 0
+        if wanted := req.headers.get("Range"):
+            if not (m := RANGE.match(wanted)):
+                return _refuse(req, 416, "only Range: bytes=N- is served")
+            start = int(m[1])
+            if start >= part.size:
+                return _refuse(req, 416, "nothing after that byte")
+        req.send_response(206 if start else 200)
+        req.send_header("Content-Type", "application/octet-stream")
+        req.send_header("Content-Length", str(part.size - start))
+        if start:
+            req.send_header("Content-Range", f"bytes {start}-{part.size - 1}/{part.size}")
+        req.end_headers()
+        sent = start
+        try:
+            while sent < part.size:
+                chunk = part.read(sent, CHUNK)
+                if not chunk:  # failed, restarted or stalled: cut, and the reader goes elsewhere
+                    break
+                req.wfile.write(chunk)
+                sent += len(chunk)
+        except OSError:  # the reader went away
+            pass
+        finally:
+            self.served += sent - start
+            if sent < part.size:
+                req.close_connection = True
+
+    def url(self, host: str) -> str:
+        """Where peers reach it, at `host` (an IPv6 address in brackets)."""
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def __enter__(self) -> PeerServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def reachable_host(broker_url: str) -> str:
+    """The address this machine reaches the broker from: where peers on the broker's network
+    are likeliest to reach it (no packet is sent)."""
+    parts = urlsplit(broker_url)
+    family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((parts.hostname or "127.0.0.1", parts.port or 80))
+        return s.getsockname()[0]
+
+
+def _refuse(req: BaseHTTPRequestHandler, status: int, reason: str) -> None:
+    body = reason.encode()
+    req.send_response(status)
+    req.send_header("Content-Type", "text/plain")
+    req.send_header("Content-Length", str(len(body)))
+    req.end_headers()
+    req.wfile.write(body)

@@ -1,0 +1,98 @@
+"""Weights from peers (broker.peer_fanout, sampler.serve_peers), on a real broker with real
+peer servers and the HF backend: a version travels down the tree the broker names, only a
+caller with the broker's ticket is served, and a peer that sends wrong bytes is refused (the
+sha256) and reported, and the sampler gets the version from the broker instead."""
+
+from contextlib import ExitStack
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from echorl.client import BrokerClient
+from echorl.models import build_tiny_model
+from echorl.protocol import SamplerInfo
+from echorl.rollout.follow import WeightFollower
+from echorl.rollout.hf import HFBackend
+from echorl.rollout.peers import PeerServer, Shelf
+from echorl.transfer import Partial
+from tests.integration.conftest import (
+    IDENTITY,
+    SAMPLER,
+    TRAINER,
+    free_port,
+    start_broker,
+    stop_broker,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """A broker with peer_fanout 1 holding v0 (other weights than a fresh tiny model's), and a
+    way to add samplers to it."""
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.peer_fanout=1")
+    model, _ = build_tiny_model("1m", seed=1)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, tmp_path / "v0.safetensors")
+    with ExitStack() as stack, BrokerClient(url, TRAINER) as trainer:
+        info = trainer.publish(0, tmp_path / "v0.safetensors")
+
+        def sampler(name, serve=True):
+            """(follower, peer server or None) of a new sampler, registered."""
+            client = stack.enter_context(BrokerClient(url, SAMPLER))
+            server = stack.enter_context(PeerServer(Shelf(), "127.0.0.1")) if serve else None
+            peer_url = server.url("127.0.0.1") if server else None
+            terms = client.join(SamplerInfo(name=name, **IDENTITY, peer_url=peer_url))
+            if server:
+                server.secret = terms.peer_secret
+            backend = HFBackend(*build_tiny_model("1m", seed=0))
+            cache = tmp_path / name
+            return WeightFollower(client, backend, cache, name, server and server.shelf), server
+
+        yield info, state, sampler
+    stop_broker(proc)
+
+
+def holds(follower, state):
+    got = follower.backend.model.state_dict()
+    return all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_version_goes_down_the_tree_and_a_corrupt_peer_is_refused(swarm, caplog):
+    info, state, sampler = swarm
+    a, a_server = sampler("a")
+    a.ensure(0)  # the broker serves one directly (peer_fanout 1)
+    assert holds(a, state) and a.from_peers == 0
+
+    b, b_server = sampler("b")
+    b.ensure(0)  # from a, verified, and a keeps serving
+    assert holds(b, state) and b.from_peers == info.size_bytes
+    assert a_server.served == info.size_bytes
+
+    # Without the broker's ticket, a serves nothing; a version it does not hold is not there.
+    url = a_server.url("127.0.0.1") + f"/v1/peer/weights/{info.sha256}"
+    assert httpx.get(url).status_code == 403
+    assert httpx.get(url, headers={"Authorization": f"Bearer {SAMPLER}"}).status_code == 403
+    assert httpx.get(url.replace(info.sha256, "0" * 64)).status_code == 404
+
+    # A liar: it asks for v0 (so the broker counts it a source) and serves other bytes under
+    # v0's sha256.
+    liar, liar_server = sampler("liar")
+    liar.client.source(0)  # named b: b's one taker
+    garbage = Partial(info.sha256, info.size_bytes)
+    garbage.write(bytes(info.size_bytes))  # the right size, the wrong bytes
+    liar_server.shelf.put(garbage)
+
+    c, _ = sampler("c", serve=False)
+    c.ensure(0)  # named the liar (the only source with room): refused, then the broker's
+    assert holds(c, state)
+    assert c.peer_failures == 1 and c.from_peers == 0
+    assert liar_server.served > 0
+    assert "did not deliver version 0" in caplog.text
+
+    d, _ = sampler("d", serve=False)  # the liar is not named again for v0
+    source = d.client.source(0)
+    assert source.url != liar_server.url("127.0.0.1")

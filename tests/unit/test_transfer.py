@@ -1,0 +1,81 @@
+"""A version in transit (echorl/transfer.py) and a sampler's peer server passing it on while
+it arrives (echorl/rollout/peers.py)."""
+
+import hashlib
+import os
+import threading
+
+import httpx
+
+from echorl.rollout.peers import PeerServer, Shelf, ticket
+from echorl.transfer import Partial
+
+BLOB = os.urandom(3 << 20)
+SHA = hashlib.sha256(BLOB).hexdigest()
+
+
+def test_whole_only_with_every_byte_and_the_right_ones(tmp_path):
+    for path in (None, tmp_path / "v.part"):
+        part = Partial(SHA, len(BLOB), path)
+        part.write(BLOB[:100])
+        assert not part.whole
+        part.write(b"x" * (len(BLOB) - 100))
+        assert not part.whole  # the right size, the wrong bytes
+        part.restart()
+        part.write(BLOB)
+        assert part.whole and part.value() == BLOB
+        part.close()
+
+
+def test_a_file_left_by_a_cut_is_resumed_from_its_end(tmp_path):
+    (tmp_path / "v.part").write_bytes(BLOB[:12345])
+    part = Partial(SHA, len(BLOB), tmp_path / "v.part")
+    assert part.have == 12345
+    part.write(BLOB[12345:])
+    assert part.whole  # the hash covers the bytes an earlier attempt left
+
+
+def test_a_reader_waits_for_bytes_to_come_and_is_cut_off_by_a_failure():
+    part = Partial(SHA, len(BLOB))
+    part.write(BLOB[:10])
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("tail", part.read(10, 100)))
+    reader.start()
+    part.write(BLOB[10:50])
+    reader.join(5)
+    assert got["tail"] == BLOB[10:50]
+    waiting = threading.Thread(target=lambda: got.setdefault("cut", part.read(50, 100)))
+    waiting.start()
+    part.fail()
+    waiting.join(5)
+    assert got["cut"] == b""
+
+
+def test_the_peer_server_passes_a_version_on_while_it_arrives():
+    part = Partial(SHA, len(BLOB))
+    part.write(BLOB[: 1 << 20])  # a third is in
+    shelf = Shelf()
+    shelf.put(part)
+    with PeerServer(shelf, "127.0.0.1") as server:
+        server.secret = "s3cret"
+        url = server.url("127.0.0.1") + f"/v1/peer/weights/{SHA}"
+        got = {}
+
+        def read():
+            auth = {"Authorization": f"Bearer {ticket('s3cret', SHA)}"}
+            got["r"] = httpx.get(url, headers=auth, timeout=30)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        part.write(BLOB[1 << 20 :])  # the rest, while the peer's response streams
+        reader.join(30)
+        assert got["r"].status_code == 200 and got["r"].content == BLOB
+        # Resuming: Range from a byte on; past the end, 416; a wrong ticket, 403.
+        auth = {"Authorization": f"Bearer {ticket('s3cret', SHA)}"}
+        tail = httpx.get(url, headers=auth | {"Range": "bytes=1000-"})
+        assert tail.status_code == 206 and tail.content == BLOB[1000:]
+        past = httpx.get(url, headers=auth | {"Range": f"bytes={len(BLOB)}-"})
+        assert past.status_code == 416
+        other = {"Authorization": f"Bearer {ticket('another secret', SHA)}"}
+        assert httpx.get(url, headers=other).status_code == 403
+        assert server.served == 2 * len(BLOB) - 1000
