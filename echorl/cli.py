@@ -797,6 +797,11 @@ def status(
         ("weights fetched from", st.weight_sources),
     ):
         console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
+    if st.capacity:
+        from echorl.broker.capacity import describe
+
+        for line in describe(st.capacity):
+            console.print(line, markup=False)
     console.print(f"auditors alive: {st.auditors}")
     console.print(f"verifier busy: {st.verifier_busy:.0%}")
     if st.verifier_error:

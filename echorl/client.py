@@ -195,9 +195,15 @@ class BrokerClient:
         return RevokeReply.model_validate_json(r.content).returned
 
     def heartbeat(
-        self, sampler_id: str, version_held: int | None = None, tokens_per_s: float | None = None
+        self,
+        sampler_id: str,
+        version_held: int | None = None,
+        tokens_per_s: float | None = None,
+        fetch_s: float | None = None,
     ) -> int:
-        body = HeartbeatRequest(version_held=version_held, tokens_per_s=tokens_per_s)
+        body = HeartbeatRequest(
+            version_held=version_held, tokens_per_s=tokens_per_s, fetch_s=fetch_s
+        )
         path = f"/v1/samplers/{sampler_id}/heartbeat"
         return self._post(path, body, HeartbeatReply).latest_version
 
@@ -385,10 +391,13 @@ class BrokerClient:
         quarantined (id -> why)."""
         return self._post("/v1/trainer/audit", report, AuditReply).quarantined
 
-    def ack(self, job_ids: list[int], step: int) -> int:
-        return self._post(
-            "/v1/batches/ack", AckRequest(job_ids=job_ids, step=step), AckReply
-        ).consumed
+    def ack(
+        self, job_ids: list[int], step: int, train_s: float | None = None, tokens: int | None = None
+    ) -> int:
+        """The step's groups are consumed; `train_s` and `tokens`, its compute seconds and
+        completion tokens, feed the broker's capacity figures."""
+        body = AckRequest(job_ids=job_ids, step=step, train_s=train_s, tokens=tokens)
+        return self._post("/v1/batches/ack", body, AckReply).consumed
 
     # -- auditor role (the trainer's token) -----------------------------------------------------
 

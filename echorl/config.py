@@ -476,6 +476,13 @@ class SamplerConfig(_Section):
     threads: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads; unset = torch default"
     )
+    cost_per_hour: float | None = Field(
+        None,
+        ge=0.0,
+        le=1e6,
+        description="what running this sampler costs an hour (any currency, the same for the "
+        "swarm): `echorl status` names the cheapest samplers that keep the trainer busy",
+    )
     serve_peers: bool = Field(
         False,
         description="serve the weights this sampler holds (and the version arriving) to "

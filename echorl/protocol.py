@@ -121,6 +121,13 @@ class SamplerInfo(_Wire):
         "broker refuses one that is not the run's",
     )
     task: str = Field(min_length=1, max_length=MAX_TASK_NAME, description="the task it runs")
+    cost_per_hour: float | None = Field(
+        None,
+        ge=0.0,
+        le=1e6,
+        description="what running this sampler costs an hour (any currency, the same for "
+        "all): `echorl status` names the cheapest samplers that keep the trainer busy",
+    )
     peer_url: str | None = Field(
         None,
         pattern=PEER_URL_PATTERN,
@@ -449,6 +456,27 @@ class SamplerStatus(_Wire):
     logprob_mean_abs: float = 0.0  # mean |trainer - sampler| log-prob per token
     logprob_kl: float = 0.0  # mean (sampler - trainer): an estimate of KL(sampler || trainer)
     logprob_beyond: float = 0.0  # fraction of tokens beyond the audit tolerance
+    cost_per_hour: float | None = None  # as it told at registration
+
+
+class Capacity(_Wire):
+    """How well the swarm is provisioned (broker/capacity.py): the trainer's pace, the
+    tokens/s it needs and the swarm makes, how long a version takes to reach every sampler,
+    the staleness at which all of that overlaps with training, and the cheapest samplers
+    that cover the need (of those that told their cost)."""
+
+    train_s: float  # the trainer's compute per step (recent average)
+    step_s: float | None  # wall time per step
+    trainer_busy: float | None  # train_s / step_s
+    step_tokens: float  # completion tokens per step
+    needed_tokens_per_s: float  # step_tokens / train_s: the trainer never waits
+    swarm_tokens_per_s: float  # the alive samplers' measured speeds, summed
+    dissemination_s: float | None  # a version's fetch and load, the slowest sampler's
+    staleness_to_overlap: int | None  # the smallest max_staleness that hides both
+    max_staleness: int  # the run's (0 in sync)
+    keep: list[str] = []  # the cheapest samplers (names) whose speed covers the need
+    keep_cost_per_hour: float | None = None
+    keep_tokens_per_s: float | None = None
 
 
 class StatusReply(_Wire):
@@ -469,10 +497,18 @@ class StatusReply(_Wire):
     wasted: dict[str, int] = {}  # sync's cancelled work: cancelled_jobs, wasted_groups, _tokens
     # Versions fetched, by where the broker sent the sampler: "broker" or "peer" (fan-out)
     weight_sources: dict[str, int] = {}
+    capacity: Capacity | None = None  # None until the trainer has reported a step
 
 
 class HeartbeatRequest(_Wire):
     version_held: int | None = Field(None, ge=0, le=MAX_ID)
+    fetch_s: float | None = Field(
+        None,
+        ge=0.0,
+        le=1e6,
+        description="seconds `version_held` took to fetch and load, told once it is loaded "
+        "(the broker's capacity figures)",
+    )
     tokens_per_s: float | None = Field(
         None, ge=0.0, le=1e9, description="generation speed of the last batch"
     )
@@ -581,6 +617,12 @@ class PullReply(_Wire):
 class AckRequest(_Wire):
     job_ids: list[Id] = Field(max_length=65536)
     step: int = Field(ge=0, le=MAX_ID)
+    train_s: float | None = Field(
+        None, ge=0.0, le=1e6, description="the step's compute seconds (for capacity figures)"
+    )
+    tokens: int | None = Field(
+        None, ge=0, le=1 << 40, description="completion tokens the step trained on"
+    )
 
 
 class GroupAudit(_Wire):

@@ -8,6 +8,8 @@ goes back when the role leaves.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import signal
 import threading
 from collections.abc import Iterator
@@ -48,3 +50,11 @@ class Stop(threading.Event):
             yield
         finally:
             self._idle = False
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this (helper) process when its parent dies, however it dies
+    (SIGKILL, or a signal re-raised after a graceful stop, which runs no exit handlers): no
+    worker outlives the role it serves. Elsewhere a no-op (a pipe's EOF must end it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

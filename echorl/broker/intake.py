@@ -34,6 +34,7 @@ from echorl.protocol import (
     ScoredGroup,
     Unprocessable,
 )
+from echorl.stopping import die_with_parent
 from echorl.tasks import Environment, Task, is_environment
 
 
@@ -110,7 +111,8 @@ def parse(body: bytes, many: bool, limits: Limits) -> Parsed | list[dict]:
     return sampler_id, out
 
 
-def _nice() -> None:
+def _start_parser() -> None:
+    die_with_parent()  # a broker killed outright leaves no parser behind
     os.nice(5)  # below the server: parsing waits for /healthz and the trainer, not the reverse
 
 
@@ -120,7 +122,7 @@ class PushParser:
     def __init__(self, limits: Limits, workers: int = 1):
         self.limits = limits
         self.pool = ProcessPoolExecutor(
-            workers, mp_context=mp.get_context("spawn"), initializer=_nice
+            workers, mp_context=mp.get_context("spawn"), initializer=_start_parser
         )
 
     async def parse(self, body: bytes, many: bool) -> Parsed | list[dict]:
@@ -129,4 +131,6 @@ class PushParser:
         return await loop.run_in_executor(self.pool, parse, body, many, self.limits)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the parsers now: waited for, since the broker may be about to die by the
+        signal that stopped it (no exit handlers, which would otherwise stop them)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from echorl.broker.auth import ANYONE, ENROL, SAMPLER, TRAINER, Caller, new_credential
+from echorl.broker.capacity import capacity
 from echorl.broker.intake import Parsed
 from echorl.broker.state import BrokerState
 from echorl.protocol import (
@@ -159,9 +160,9 @@ async def heartbeat(
     st: BrokerState = State,
 ) -> HeartbeatReply:
     caller.acts_as(sampler_id)
-    await st.write(
-        st.store.heartbeat, sampler_id, time.time(), body.version_held, body.tokens_per_s
-    )
+    now = time.time()
+    await st.write(st.store.heartbeat, sampler_id, now, body.version_held, body.tokens_per_s)
+    st.pace.fetched(body.version_held, body.fetch_s)
     return HeartbeatReply(latest_version=st.store.latest_version())
 
 
@@ -333,6 +334,8 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
 @router.post("/v1/batches/ack", dependencies=[TRAINER])
 async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
     consumed = await st.for_trainer(st.store.ack, body.job_ids, body.step)
+    if consumed and body.train_s is not None and body.tokens is not None:
+        st.pace.step(body.train_s, body.tokens, time.time())
     if consumed:
         st.audits_bell.ring()
     return AckReply(consumed=consumed)
@@ -451,15 +454,17 @@ def download(version: int = Version, st: BrokerState = State) -> FileResponse:
 def status(limit: int = Query(100, ge=0, le=100_000), st: BrokerState = State) -> StatusReply:
     """The swarm at a glance: samplers counted by state and the `limit` most relevant listed
     (alive first), versions, jobs, the buffer, the verifiers."""
+    samplers = [SamplerStatus(**row) for row in st.store.samplers(max(limit, 1000))]
     return StatusReply(
         mode=st.cfg.broker.mode,
         latest_version=st.store.latest_version(),
-        samplers=[SamplerStatus(**row) for row in st.store.samplers(limit)],
+        samplers=samplers[:limit],
         sampler_counts=st.store.sampler_counts(),
         verifier=dict(st.verifier.failures) | {"refused": st.verifier.refused},
         verifier_busy=st.verifier.utilisation(),
         verifier_error=st.verifier.first_error,
         auditors=st.auditors_alive(),
         weight_sources=dict(st.fanout.named),
+        capacity=capacity(st.pace, samplers, st.admission.max_staleness),
         **st.store.counts(),
     )

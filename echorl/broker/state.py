@@ -19,6 +19,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from echorl.broker.auth import Auth, RateLimit
+from echorl.broker.capacity import Pace
 from echorl.broker.fanout import FanOut
 from echorl.broker.intake import Limits, PushParser
 from echorl.broker.store import Admission, BrokerStore, Probation
@@ -173,6 +174,7 @@ class BrokerState:
     writer: Writer
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
     fanout: FanOut  # which sampler fetches a weight version from whom
+    pace: Pace  # the trainer's steps and the versions' spread, for capacity figures
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
     # Registrations per enrolment token and per client address (a sybil's identities).
     registrations: RateLimit = field(default_factory=lambda: RateLimit(0, 1))
@@ -431,6 +433,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         writer=Writer(store),
         push_slots=asyncio.Semaphore(b.push_slots),
         fanout=FanOut(b.peer_fanout),
+        pace=Pace(),
     )
     for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group)

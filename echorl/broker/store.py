@@ -69,7 +69,7 @@ CREATE TABLE IF NOT EXISTS samplers (
     state TEXT NOT NULL
         CHECK (state IN ('alive', 'lost', 'left', 'revoked', 'quarantined')),
     operator TEXT NOT NULL DEFAULT '', address TEXT NOT NULL DEFAULT '',
-    delivered INTEGER NOT NULL DEFAULT 0);
+    delivered INTEGER NOT NULL DEFAULT 0, cost_per_hour REAL);
 -- An operator enrols samplers with a token of its own (the admin issues it): what the audit
 -- finds and what a hoarding lease costs stay with the operator whatever identities it makes.
 CREATE TABLE IF NOT EXISTS operators (
@@ -104,6 +104,7 @@ MIGRATIONS = (
     ("samplers", "address", "TEXT NOT NULL DEFAULT ''"),
     ("samplers", "delivered", "INTEGER NOT NULL DEFAULT 0"),
     ("jobs", "extra", "INTEGER NOT NULL DEFAULT 0"),
+    ("samplers", "cost_per_hour", "REAL"),
 )
 
 WIRE = {"rewards", "sampler"}  # what a stored body leaves out: added when it is served

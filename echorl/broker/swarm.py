@@ -127,10 +127,10 @@ class SwarmBook:
                 )
             c.execute(
                 "INSERT INTO samplers (id, name, hardware, backend, max_batch, registered_at, "
-                "last_seen, secret, barred_until, state, operator, address) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 'alive', ?, ?)",
+                "last_seen, secret, barred_until, state, operator, address, cost_per_hour) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 'alive', ?, ?, ?)",
                 (sampler_id, info.name, info.hardware, info.backend, info.max_batch, now, now)
-                + (secret, operator, address),
+                + (secret, operator, address, info.cost_per_hour),
             )
 
         self._tx(fn)
@@ -293,8 +293,10 @@ class SwarmBook:
             "audit_abs / MAX(audit_tokens, 1)",
             "audit_kl / MAX(audit_tokens, 1)",
             "audit_beyond / MAX(audit_tokens, 1)",
+            "cost_per_hour",
         )
-        names = (*cols[:-4], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
+        names = (*cols[:-5], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
+        names += ("cost_per_hour",)
         rank = "CASE state WHEN 'alive' THEN 0 WHEN 'quarantined' THEN 1 WHEN 'revoked' THEN 1 ELSE 2 END"
         rows = self._tx(
             lambda c: c.execute(

@@ -50,9 +50,11 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from echorl.broker.capacity import describe
 from echorl.config import RunConfig
 from echorl.metrics import MetricsTail, plot_run, read_metrics
 from echorl.progress import LineSteps, draws_live
+from echorl.protocol import Capacity
 from echorl.trainer.flat import FlatStreak, is_flat
 
 
@@ -340,6 +342,7 @@ def launch(
             ranks=trainer_ranks(cfg),
         )
         code = watch(swarm, cfg, console, stop)
+        keep_capacity(swarm)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the swarm (the trainer checkpoints first)")
         code = 130
@@ -349,6 +352,21 @@ def launch(
         if split:
             os.sched_setaffinity(0, own)
     return code, out
+
+
+def keep_capacity(swarm: Swarm) -> None:
+    """The broker's provisioning figures as the run ends, in capacity.json for the summary."""
+    try:
+        st = httpx.get(
+            swarm.url + "/v1/status",
+            params={"limit": 0},
+            headers={"Authorization": f"Bearer {swarm.env['ECHORL_TRAINER_TOKEN']}"},
+            timeout=5.0,
+        ).json()
+    except (httpx.HTTPError, ValueError):
+        return
+    if st.get("capacity"):
+        (swarm.out / "capacity.json").write_text(json.dumps(st["capacity"], indent=1))
 
 
 def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
@@ -605,6 +623,17 @@ def summarise(out: Path, console: Console) -> dict:
             summary["wasted_tokens"] = wasted
         if failed := train[-1].get("verifier/errors"):
             summary["verifier_errors"] = failed
+    capacity = None
+    if (out / "capacity.json").is_file():
+        capacity = Capacity.model_validate_json((out / "capacity.json").read_text())
+        summary |= {
+            "needed_tokens_per_s": capacity.needed_tokens_per_s,
+            "swarm_tokens_per_s": capacity.swarm_tokens_per_s,
+        }
+        if capacity.dissemination_s is not None:
+            summary["dissemination_s"] = capacity.dissemination_s
+        if capacity.staleness_to_overlap is not None:
+            summary["staleness_to_overlap"] = capacity.staleness_to_overlap
     if evals:
         summary |= {
             "eval_first": evals[0]["eval/accuracy"],
@@ -631,5 +660,7 @@ def summarise(out: Path, console: Console) -> dict:
             (r["verifier/first_error"] for r in train if "verifier/first_error" in r), None
         )
         console.print(f"[yellow]{escape(verifier_warning(summary['verifier_errors'], error))}")
+    for line in describe(capacity) if capacity else []:
+        console.print(line, markup=False)
     console.print("plots: " + ", ".join(str(p) for p in plots))
     return summary

@@ -27,7 +27,6 @@ the launcher reads its metrics). Ray is an optional dependency: `pip install ray
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -44,16 +43,10 @@ from rich.text import Text
 
 from echorl.config import RayRole, RunConfig
 from echorl.launch.local import echorl_command, resolved_config, trainer_ranks
+from echorl.stopping import die_with_parent
 
 NAMESPACE = "echorl"
 CONTROL = "echorl-launcher"  # the named actor `echorl launch scale` talks to
-
-
-def _die_with_parent() -> None:
-    """Linux: the role's command gets SIGKILL when its actor's process dies, however it dies
-    (Ray's restart would otherwise leave the old command running beside the new one)."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to do
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @ray.remote(max_concurrency=4)
@@ -82,7 +75,7 @@ class RoleActor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

@@ -6,12 +6,9 @@ queue, or who submitted what.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import math
 import resource
-import signal
 import time
 import traceback
 from collections import Counter, OrderedDict
@@ -20,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, ProtocolError, Turn
+from echorl.stopping import die_with_parent
 
 if TYPE_CHECKING:
     from echorl.config import RunConfig
@@ -104,13 +102,6 @@ def _limit_memory(mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when its parent dies (even by SIGKILL), so a
-    verifier spinning forever never outlives the broker."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the pipe's EOF ends it
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def serve(conn, clock, spec: VerifierSpec) -> None:
     """A worker: load the task, say ready, then score batches of `(Work, skip)` until told to
     stop, sending `(index in the batch, Verdict)` the moment each is scored. `clock` is (the
@@ -118,7 +109,7 @@ def serve(conn, clock, spec: VerifierSpec) -> None:
     while the problem is made) for the parent to watch."""
     from echorl.tasks import get_task, is_environment
 
-    _die_with_parent()
+    die_with_parent()
     try:
         task = get_task(spec.task)
     except Exception as e:  # the user's module: its error is the reason

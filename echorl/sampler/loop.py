@@ -76,7 +76,7 @@ class Sampler:
         """Hold `version` (`WeightFollower.ensure`); returns the seconds spent."""
         return self.weights.ensure(version, known)
 
-    def work(self, sampler_id: str, reply: LeaseReply) -> None:
+    def work(self, sampler_id: str, reply: LeaseReply, beat: Heartbeat | None = None) -> None:
         """Generate the leased jobs as one batch with one version, and push each group."""
         jobs = reply.jobs
         needed = {j.required_version for j in jobs}
@@ -85,6 +85,8 @@ class Sampler:
         download_s = self.ensure_version(
             reply.latest_version if required is None else required, reply.latest
         )
+        if download_s and beat is not None:
+            beat.loaded(self.version, download_s)
         if required is not None and reply.latest_version > required:  # cancelled already
             self.dropped(jobs, 0, required)
             return
@@ -217,6 +219,7 @@ class Sampler:
             backend=self.cfg.sampler.backend,
             tokenizer=self.backend.codec.fingerprint,
             task=get_task(self.cfg.task.name).name,
+            cost_per_hour=self.cfg.sampler.cost_per_hour,
             peer_url=self.peers.url(self.cfg.sampler.peer_host or reachable_host(self.client.url))
             if self.peers
             else None,
@@ -248,8 +251,8 @@ class Sampler:
                     )
                 self.idle_s += time.perf_counter() - t0
                 if reply.jobs:  # silent this long, it would be lost, and its lease with it
-                    with Heartbeat(self.client, sampler_id, terms.heartbeat_s, self):
-                        self.work(sampler_id, reply)
+                    with Heartbeat(self.client, sampler_id, terms.heartbeat_s, self) as beat:
+                        self.work(sampler_id, reply, beat)
                 outage.over()  # a whole lease -> generate -> push went through
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 outage.failed(e)
@@ -304,12 +307,26 @@ class Heartbeat:
         self.sampler_id, self.interval = sampler_id, interval
         self.sampler = sampler
         self.done = threading.Event()
+        self.wake = threading.Event()  # beat now, not at the interval's end
+        self.fetched: tuple[int, float] | None = None  # a version just loaded, and its seconds
         self.thread = threading.Thread(target=self.beat, name="heartbeat", daemon=True)
 
+    def loaded(self, version: int, seconds: float) -> None:
+        """Beat at once: `version` is loaded, in `seconds` (the broker times how long versions
+        take to reach the swarm), told without holding up the work."""
+        self.fetched = (version, seconds)
+        self.wake.set()
+
     def beat(self) -> None:
-        while not self.done.wait(self.interval):
+        while True:
+            self.wake.wait(self.interval)
+            self.wake.clear()
+            if self.done.is_set():
+                return
+            fetched, self.fetched = self.fetched, None
+            version, seconds = fetched or (self.sampler.version, None)
             try:
-                self.client.heartbeat(self.sampler_id, self.sampler.version)
+                self.client.heartbeat(self.sampler_id, version, fetch_s=seconds)
             except BrokerUnavailable as e:  # the main loop finds out on its next call
                 log.debug("%s: heartbeat failed: %s", self.sampler.name, e)
             except BrokerRejected:
@@ -321,6 +338,7 @@ class Heartbeat:
 
     def __exit__(self, *exc) -> None:
         self.done.set()
+        self.wake.set()
         self.thread.join(timeout=1.0)
         if not self.thread.is_alive():  # else a beat is in flight: it closes with the process
             self.client.close()

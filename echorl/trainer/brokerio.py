@@ -4,7 +4,7 @@ nothing but train.
     io = BrokerIO(client, cpus={1})       # starts the helper (spawn; it never imports torch)
     io.prefetch(step, n)                  # the helper pulls step's groups (a long poll)
     groups, wait = io.batch(step, stop)   # ... and hands them over when the trainer asks
-    io.ack(ids, step); io.audit(report)   # fire and forget, in order
+    io.ack(ids, step, s, tokens); io.audit(report)   # fire and forget, in order
     io.publish(state, meta, version)      # one copy into a shared buffer; checked, hashed, uploaded there
     io.wait()                             # that version is stored at the broker
     io.open_log(path, step); io.log(record, line)   # metrics.jsonl, TensorBoard, the console
@@ -158,8 +158,8 @@ class BrokerIO:
             return None
         return self.batches.pop(step)
 
-    def ack(self, job_ids: list[int], step: int) -> None:
-        self._send(("ack", job_ids, step))
+    def ack(self, job_ids: list[int], step: int, train_s: float, tokens: int) -> None:
+        self._send(("ack", job_ids, step, train_s, tokens))
 
     def audit(self, report: AuditReport) -> None:
         self._send(("audit", report))
@@ -315,8 +315,8 @@ def serve(conn, settings: dict, cpus, stopping) -> None:
         except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
             reply("error", "RuntimeError", None, f"{type(e).__name__}: {e}")
 
-    def ack(client: BrokerClient, job_ids: list[int], step: int) -> None:
-        client.ack(job_ids, step)
+    def ack(client: BrokerClient, job_ids: list[int], step: int, train_s: float, tokens: int):
+        client.ack(job_ids, step, train_s, tokens)
 
     def audit(client: BrokerClient, report: AuditReport) -> None:
         reply("audited", client.audit(report))

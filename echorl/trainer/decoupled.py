@@ -292,7 +292,8 @@ class DecoupledTrainer:
                     "had a non-finite loss or gradient and were skipped; the batch came from "
                     f"samplers {sorted({g.sampler or '?' for g in groups})}"
                 )
-            self.io.ack(ids, step)
+            tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+            self.io.ack(ids, step, train_s, tokens)
         self.publish(step + 1)
         if self.past is not None:
             self.past.record(self.model, step + 1)

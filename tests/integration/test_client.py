@@ -30,7 +30,7 @@ def group(job, version=0):
 
 
 def info(name):
-    return SamplerInfo(name=name, **IDENTITY)
+    return SamplerInfo(name=name, **IDENTITY, cost_per_hour=0.3)
 
 
 def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
@@ -52,7 +52,13 @@ def test_client_round_trip_and_resumable_verified_download(broker, tmp_path):
         pulled = trainer.pull(4, 0, wait_s=5)  # answered once the verifiers scored it
         assert pulled.groups[0].sampler == sid
         assert [g.job_id for g in pulled.groups] == [jobs[0].job_id]
-        assert trainer.ack([jobs[0].job_id], 0) == 1
+        assert trainer.status().capacity is None  # no step reported yet
+        sampler.heartbeat(sid, 0, tokens_per_s=50.0, fetch_s=0.25)  # v0 loaded in 0.25 s
+        assert trainer.ack([jobs[0].job_id], 0, train_s=0.5, tokens=100) == 1
+        capacity = trainer.status().capacity  # the broker's provisioning figures
+        assert capacity.needed_tokens_per_s == 200.0 and capacity.swarm_tokens_per_s == 50.0
+        assert capacity.dissemination_s == 0.25 and capacity.keep == ["c1"]
+        assert capacity.keep_cost_per_hour == 0.3
 
         dest = tmp_path / "dl.safetensors"
         (tmp_path / "dl.safetensors.part").write_bytes(blob[:1_000_000])  # an interrupted download

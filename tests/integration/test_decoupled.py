@@ -39,6 +39,8 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
         # async: flat and stale groups (which need a pass of their own) are audited by half
         f"quarantine.audit_fraction={0.5 if mode == 'async' else 1.0}",
         SAMPLED,
+        # sync: the samplers pass each version on (the broker serves one of them directly)
+        *(["sampler.serve_peers=true", "broker.peer_fanout=1"] if mode == "sync" else []),
     )
     assert "run summary" in shown
     records = read_jsonl(out / "metrics.jsonl")
@@ -66,6 +68,12 @@ def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, boun
     pushed = query(out / "broker", "SELECT COUNT(DISTINCT sampler_id) FROM rollouts")[0][0]
     assert pushed == 2
     assert len(read_jsonl(out / "samplers" / "sampler-0.jsonl")) > 0
+    if mode == "sync":  # every version after v0 reached one sampler through the other
+        last = [read_jsonl(out / "samplers" / f"sampler-{k}.jsonl")[-1] for k in (0, 1)]
+        fetched = [(r["sampler/peer_bytes"], r["sampler/download_bytes"]) for r in last]
+        peers, total = map(sum, zip(*fetched))
+        assert peers >= 0.3 * total, fetched  # half of all bytes, ideally
+        assert all(r["sampler/peer_failures"] == 0 for r in last), last
     # Learning: held-out sampled pass@1 rises by at least MARGIN over 40 steps.
     evals = pass1(records)
     assert evals[-1] - evals[0] >= MARGIN, evals

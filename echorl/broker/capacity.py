@@ -1,0 +1,141 @@
+"""How well the swarm is provisioned, from what the broker measures (ECHO-2's overlap rule).
+
+The trainer's time per step (`train_s`, its compute alone) sets the pace a swarm can at best
+keep: to never make it wait, the samplers must together generate a step's completion tokens
+in `train_s` (the *needed* tokens/s), and a new version must reach them before the data made
+with it is too stale to use. With a staleness bound S, generation and the version's spread
+hide behind training when
+
+    dissemination_s + step_tokens / swarm_tokens_per_s <= (S + 1) x train_s
+
+so the smallest S that keeps the trainer busy is the left side in steps, minus one (sync,
+S = 0, never overlaps: each step waits for both). Samplers that tell their
+`cost_per_hour` are then ranked by cost per token/s, and the cheapest set that covers the
+needed rate is named: the ones to keep; the rest could be let go.
+
+Kept in memory (it is a view of the last minutes, not a record): the trainer reports each
+step's compute time and tokens with its ack; a sampler reports how long each version it
+loads took (download and load) with a heartbeat the moment it is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from echorl.protocol import Capacity, SamplerStatus
+
+EMA = 0.2  # weight of the newest step in the trainer's averages
+VERSIONS_KEPT = 16  # versions whose spread is tracked
+
+
+class Pace:
+    """The trainer's recent steps (exponential averages), and how long each recent version
+    took to reach the samplers that fetched it."""
+
+    def __init__(self) -> None:
+        self.train_s: float | None = None
+        self.step_tokens: float | None = None
+        self.step_s: float | None = None  # wall time between acks
+        self.last_ack: float | None = None
+        self.fetch_s: dict[int, float] = {}  # version -> the slowest sampler's fetch and load
+        self.lock = threading.Lock()
+
+    def step(self, train_s: float, tokens: int, now: float) -> None:
+        with self.lock:
+            self.train_s = _ema(self.train_s, train_s)
+            self.step_tokens = _ema(self.step_tokens, tokens)
+            if self.last_ack is not None:
+                self.step_s = _ema(self.step_s, now - self.last_ack)
+            self.last_ack = now
+
+    def fetched(self, version: int | None, seconds: float | None) -> None:
+        """A sampler loaded `version` in `seconds` (download and load)."""
+        if version is None or seconds is None:
+            return
+        with self.lock:
+            self.fetch_s[version] = max(seconds, self.fetch_s.get(version, 0.0))
+            for old in [v for v in self.fetch_s if v <= version - VERSIONS_KEPT]:
+                del self.fetch_s[old]
+
+    def dissemination_s(self) -> float | None:
+        """A version's way to the swarm: the slowest sampler's fetch and load, averaged over
+        the recent versions."""
+        with self.lock:
+            spans = list(self.fetch_s.values())
+        return sum(spans) / len(spans) if spans else None
+
+
+def capacity(pace: Pace, samplers: list[SamplerStatus], max_staleness: int) -> Capacity | None:
+    """The figures, once the trainer has reported a step; None before."""
+    if pace.train_s is None or pace.step_tokens is None:
+        return None
+    alive = [s for s in samplers if s.state == "alive"]
+    speeds = {s.id: s.tokens_per_s or 0.0 for s in alive}
+    swarm = sum(speeds.values())
+    needed = pace.step_tokens / max(pace.train_s, 1e-9)
+    spread = pace.dissemination_s()
+    overlap = None
+    if swarm > 0 and spread is not None:
+        steps = (spread + pace.step_tokens / swarm) / max(pace.train_s, 1e-9)
+        overlap = max(0, math.ceil(steps - 1e-9) - 1)
+    # The cheapest set whose speed covers the need: by cost per token/s, those that tell.
+    priced = sorted(
+        (s for s in alive if s.cost_per_hour is not None and speeds[s.id] > 0),
+        key=lambda s: s.cost_per_hour / speeds[s.id],
+    )
+    keep, rate, cost = [], 0.0, 0.0
+    for s in priced:
+        if rate >= needed:
+            break
+        keep.append(s.name)
+        rate, cost = rate + speeds[s.id], cost + s.cost_per_hour
+    return Capacity(
+        train_s=pace.train_s,
+        step_s=pace.step_s,
+        trainer_busy=None if not pace.step_s else min(1.0, pace.train_s / pace.step_s),
+        step_tokens=pace.step_tokens,
+        needed_tokens_per_s=needed,
+        swarm_tokens_per_s=swarm,
+        dissemination_s=spread,
+        staleness_to_overlap=overlap,
+        max_staleness=max_staleness,
+        keep=keep if priced else [],
+        keep_cost_per_hour=cost if priced else None,
+        keep_tokens_per_s=rate if priced else None,
+    )
+
+
+def describe(c: Capacity) -> list[str]:
+    """The figures in words: `echorl status` and the run summary print them."""
+    busy = f" ({c.trainer_busy:.0%} of recent steps)" if c.trainer_busy is not None else ""
+    share = c.swarm_tokens_per_s / max(c.needed_tokens_per_s, 1e-9)
+    lines = [
+        f"capacity: the trainer computes {c.train_s:.2f} s a step{busy} on "
+        f"{c.step_tokens:.0f} completion tokens: it could take {c.needed_tokens_per_s:.0f} "
+        f"tokens/s; the swarm makes {c.swarm_tokens_per_s:.0f} ({share:.0%})",
+    ]
+    if c.dissemination_s is not None:
+        lines.append(
+            f"capacity: a new version takes {c.dissemination_s:.2f} s to reach a sampler (the "
+            "slowest: download and load)"
+        )
+    if c.staleness_to_overlap is not None:
+        lines.append(
+            f"capacity: generation and weight spread hide behind training from max_staleness "
+            f"{c.staleness_to_overlap} (this run's: {c.max_staleness})"
+        )
+    if c.keep:
+        lines.append(
+            f"capacity: cheapest samplers that cover it: {', '.join(c.keep)} "
+            f"({c.keep_tokens_per_s:.0f} tokens/s for {c.keep_cost_per_hour:.2f}/h; the rest "
+            "could go)"
+            if c.keep_tokens_per_s >= c.needed_tokens_per_s
+            else f"capacity: every priced sampler together ({c.keep_tokens_per_s:.0f} tokens/s, "
+            f"{c.keep_cost_per_hour:.2f}/h) is short of it: add samplers"
+        )
+    return lines
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new

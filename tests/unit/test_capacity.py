@@ -1,0 +1,55 @@
+"""The broker's provisioning figures (broker/capacity.py) from what it measured."""
+
+import pytest
+
+from echorl.broker.capacity import Pace, capacity, describe
+from echorl.protocol import SamplerStatus
+
+
+def sampler(name, tokens_per_s, cost=None, state="alive"):
+    return SamplerStatus(
+        id=name, name=name, hardware="", backend="hf", max_batch=64, last_seen=0.0,
+        version_held=0, tokens_per_s=tokens_per_s, state=state, cost_per_hour=cost,
+    )  # fmt: skip
+
+
+def paced(train_s=1.0, tokens=1000, fetches=(0.5, 1.5)):
+    pace = Pace()
+    pace.step(train_s, tokens, now=10.0)
+    pace.step(train_s, tokens, now=12.0)  # a step every 2 s
+    for version, seconds in enumerate(fetches):
+        pace.fetched(version, seconds)
+        pace.fetched(version, seconds / 2)  # a faster sampler: the slowest counts
+    return pace
+
+
+def test_nothing_before_the_trainer_has_reported_a_step():
+    assert capacity(Pace(), [sampler("a", 100.0)], 1) is None
+
+
+def test_the_needed_rate_the_spread_and_the_staleness_that_hides_them():
+    swarm = [sampler("a", 400.0), sampler("b", 100.0), sampler("gone", 1e6, state="lost")]
+    c = capacity(paced(), swarm, max_staleness=1)
+    assert c.needed_tokens_per_s == pytest.approx(1000.0)  # a step's tokens per train_s
+    assert c.swarm_tokens_per_s == pytest.approx(500.0)  # the alive samplers only
+    assert c.trainer_busy == pytest.approx(0.5)  # 1 s of compute in 2 s steps
+    assert c.dissemination_s == pytest.approx(1.0)  # the slowest fetch, averaged: (0.5 + 1.5) / 2
+    # 1 s to spread + 2 s to generate a step's tokens = 3 train steps: staleness 2 hides it.
+    assert c.staleness_to_overlap == 2
+    assert c.keep == [] and c.keep_cost_per_hour is None  # nobody told a cost
+
+
+def test_the_cheapest_samplers_that_cover_the_need_are_named():
+    swarm = [
+        sampler("dear", 2000.0, cost=10.0),  # 0.005 per token/s
+        sampler("cheap", 600.0, cost=0.6),  # 0.001
+        sampler("middling", 600.0, cost=1.2),  # 0.002
+        sampler("unpriced", 5000.0),
+    ]
+    c = capacity(paced(), swarm, max_staleness=0)
+    assert c.keep == ["cheap", "middling"]  # 1200 tokens/s >= 1000 needed, for 1.8/h
+    assert c.keep_cost_per_hour == pytest.approx(1.8)
+    assert any("cheap, middling" in line for line in describe(c))
+    short = capacity(paced(tokens=10_000), swarm, max_staleness=0)  # 10000 tokens/s needed
+    assert short.keep == ["cheap", "middling", "dear"]
+    assert any("short of it" in line for line in describe(short))
