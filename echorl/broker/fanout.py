@@ -2,9 +2,9 @@
 
 Every sampler asks where to fetch a version (`POST /v1/versions/{v}/source`). The broker
 serves `broker.peer_fanout` of them itself; after that it names a sampler that holds the
-version or is fetching it (a peer passes bytes on as they arrive), the one with the fewest
-takers so far, each taking at most `peer_fanout`. The versions arrive down a tree: the
-broker's uplink carries a version a few times, not once per sampler.
+version or is fetching it (a peer passes bytes on as they arrive), breadth first: the
+shallowest such sampler with room, each serving at most `peer_fanout`. The version goes
+down a tree of depth about log_F(K): the broker's uplink carries it F times, not K.
 
 A peer that failed a sampler (reported with its next ask) is not named again for that
 version, and after FAILURES_TO_DROP failures not at all. Kept in memory only: after a broker
@@ -32,8 +32,9 @@ class FanOut:
         self.degree = degree
         self.peers: dict[str, tuple[str, str]] = {}  # sampler id -> (url, secret)
         self.by_url: dict[str, str] = {}  # url -> sampler id
-        # version -> {source: takers so far}: the broker, and samplers fetching or holding it
-        self.sources: dict[int, dict[str, int]] = {}
+        # version -> {source: [takers so far, hops from the broker]}: the broker, and the
+        # samplers fetching or holding it
+        self.sources: dict[int, dict[str, list[int]]] = {}
         self.shunned: dict[int, set[str]] = {}  # version -> peers that failed it
         self.failures: Counter[str] = Counter()
         self.named = Counter()  # "broker" / "peer": how often each was named
@@ -63,25 +64,25 @@ class FanOut:
             for old in [v for v in self.sources if v <= version - VERSIONS_KEPT]:
                 del self.sources[old]
                 self.shunned.pop(old, None)
-            sources = self.sources.setdefault(version, {BROKER: 0})
+            sources = self.sources.setdefault(version, {BROKER: [0, 0]})  # [takers, depth]
             if failed and (peer := self.by_url.get(failed)):
                 self.shunned.setdefault(version, set()).add(peer)
                 self.failures[peer] += 1
             shunned = self.shunned.get(version, set())
             usable = [
                 s
-                for s, takers in sources.items()
+                for s, (takers, _) in sources.items()
                 if takers < self.degree
                 and s != asker
                 and (s == BROKER or (s in self.peers and s not in shunned))
                 and self.failures[s] < FAILURES_TO_DROP
             ]
-            # The fewest takers first; the broker (first in the dict) on a tie: the tree is
-            # shallowest. Once every source is full, the broker serves anyway.
-            chosen = min(usable, key=lambda s: sources[s], default=BROKER)
-            sources[chosen] += 1
-            if asker in self.peers:
-                sources.setdefault(asker, 0)
+            # Breadth first: the shallowest source with room (the broker first), so the tree
+            # is as shallow as the fan-out allows. Once every source is full, the broker.
+            chosen = min(usable, key=lambda s: (sources[s][1], sources[s][0]), default=BROKER)
+            sources[chosen][0] += 1
+            if asker in self.peers and asker not in sources:
+                sources[asker] = [0, sources[chosen][1] + 1]
             if chosen == BROKER:
                 self.named["broker"] += 1
                 return WeightSource()
