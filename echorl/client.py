@@ -280,6 +280,11 @@ class BrokerClient:
             None, f"could not download version {info.version} intact from {where}"
         )
 
+    def fetch_delta(self, version: int) -> bytes:
+        """`version` as a delta against its `delta_base` (transfer.apply_delta makes it whole;
+        its sha256 is checked then)."""
+        return self._request("GET", f"/v1/weights/{version}/delta").content
+
     def download(self, version: WeightVersion, dest: Path) -> Path:
         """Stream `version` to `dest`, resuming a partial `dest.part`, verified; `dest`
         appears only when the bytes are whole and right."""

@@ -386,6 +386,10 @@ class WeightVersion(_Wire):
     kind: Literal["full", "lora"] = "full"
     base: int | None = Field(None, ge=0, le=MAX_ID)
     lora: LoraSpec | None = None
+    # A delta against version `delta_base` (the 16-bit words that changed), for a sampler
+    # holding that one: `GET /v1/weights/{version}/delta`, checked by `sha256` once applied.
+    delta_base: int | None = Field(None, ge=0, le=MAX_ID)
+    delta_bytes: int | None = Field(None, ge=0)
 
 
 # -- request and reply bodies of the broker's routes (client <-> broker/routes.py) --------------

@@ -8,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import zlib
 from pathlib import Path
+
+import numpy as np
 
 WAIT_S = 30.0  # a reader waits this long for the next bytes of a version still arriving
 
@@ -88,3 +91,45 @@ class Partial:
                 return bytes(self.data[offset:end])
         with self.path.open("rb") as f:
             return os.pread(f.fileno(), end - offset, offset)
+
+
+# -- deltas: a version as the 16-bit words that changed since the one a sampler holds ----------
+#
+# bf16 weights after one small optimiser step differ from the last version in few words (most
+# updates are below bf16's resolution): a delta lists them (word indices, gap-coded, and their
+# new values), zlib-compressed. It is applied to the held version's bytes, and the result must
+# hash to the new version's sha256, so a delta needs no trust of its own.
+
+DELTA_MAX_SHARE = 0.5  # a delta is worth keeping only below this share of the full version
+
+
+def make_delta(old: bytes, new: bytes) -> bytes | None:
+    """`new` as a delta against `old`, or None where there is none worth having (sizes
+    differ, odd lengths, or too many words changed)."""
+    if len(old) != len(new) or len(new) % 2 or len(new) >= 1 << 33:
+        return None
+    a, b = np.frombuffer(old, "<u2"), np.frombuffer(new, "<u2")
+    idx = np.flatnonzero(a != b)
+    if 6 * len(idx) > DELTA_MAX_SHARE * len(new):  # 6 bytes a word before compression
+        return None
+    gaps = np.diff(idx, prepend=0).astype("<u4")
+    raw = len(idx).to_bytes(8, "little") + gaps.tobytes() + b[idx].tobytes()
+    blob = zlib.compress(raw, 1)
+    return blob if len(blob) <= DELTA_MAX_SHARE * len(new) else None
+
+
+def apply_delta(old: bytes, delta: bytes) -> bytes:
+    """The version `delta` was made for, from `old`; ValueError if it does not fit."""
+    try:
+        raw = zlib.decompress(delta)
+    except zlib.error as e:
+        raise ValueError(f"not a delta: {e}") from None
+    n = int.from_bytes(raw[:8], "little")
+    if len(raw) != 8 + 6 * n:
+        raise ValueError("a delta of the wrong length")
+    idx = np.cumsum(np.frombuffer(raw, "<u4", n, 8), dtype=np.int64)
+    words = np.frombuffer(old, "<u2").copy()
+    if n and idx[-1] >= len(words):
+        raise ValueError("a delta for larger weights")
+    words[idx] = np.frombuffer(raw, "<u2", n, 8 + 4 * n)
+    return words.tobytes()

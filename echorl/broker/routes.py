@@ -440,6 +440,12 @@ class WeightsResponse(FileResponse):
     chunk_size = 1 << 20  # weights are large: fewer, bigger writes than the default 64 KiB
 
 
+@router.get("/v1/weights/{version}/delta", dependencies=[SAMPLER])
+def download_delta(version: int = Version, st: BrokerState = State) -> FileResponse:
+    """`version` as a delta against its `delta_base` (404 where it has none)."""
+    return FileResponse(st.weights.delta_file(version), media_type="application/octet-stream")
+
+
 @router.get("/v1/weights/{version}", dependencies=[SAMPLER])
 def download(version: int = Version, st: BrokerState = State) -> FileResponse:
     info = st.weights.describe(version)

@@ -4,6 +4,8 @@
     weights/v7.sha256               its sha256, served as X-Sha256 and in WeightVersion
     weights/v7.upload.sha256        the sha256 of the trainer's upload (a retry is recognised)
     weights/v7.kind.json            what it is: full weights, or a LoRA adapter on a full version
+    weights/v7.delta, .delta.json   v7 as the 16-bit words changed since v6, where that is
+                                    small (bf16 weights: transfer.make_delta); its base
 
 A LoRA run's versions after v0 are adapters (`echorl.kind = lora` in the file's metadata,
 `models/lora.py`); one is accepted only on a stored full version, which is then kept as
@@ -37,8 +39,10 @@ from echorl.protocol import (
     TooLarge,
     WeightVersion,
 )
+from echorl.transfer import make_delta
 
 MAX_HEADER = 100 << 20  # safetensors' own bound on a header
+DELTA_MAX_BYTES = 4 << 30  # versions up to this size get deltas (both held in memory a moment)
 
 
 class WeightStore:
@@ -61,12 +65,19 @@ class WeightStore:
         path = self.file(version)
         if not path.is_file():
             raise NotFound(f"version {version} is not stored (kept: the last {self.keep})")
+        delta = self.folder / f"v{version}.delta"
+        if delta.is_file():
+            base = json.loads((self.folder / f"v{version}.delta.json").read_text())["base"]
+            delta_of = {"delta_base": base, "delta_bytes": delta.stat().st_size}
+        else:
+            delta_of = {}
         return WeightVersion(
             version=version,
             sha256=path.with_suffix(".sha256").read_text(),
             size_bytes=path.stat().st_size,
             dtype=self.dtype,
             **self.kind(version),
+            **delta_of,
         )
 
     def kind(self, version: int) -> dict:
@@ -122,7 +133,27 @@ class WeightStore:
         final.with_suffix(".sha256").write_text(sha256 if staged is upload else _sha256(staged))
         (self.folder / f"v{version}.kind.json").write_text(json.dumps(kind))
         (self.folder / f"v{version}.upload.sha256").write_text(sha256)
+        self._delta(staged, version, kind)
         staged.replace(final)
+
+    def _delta(self, staged: Path, version: int, kind: dict) -> None:
+        """`version` as a delta against the version before it, for samplers that hold that
+        one (transfer.make_delta), where one is worth having: bf16 weights, a small step."""
+        before = version - 1
+        if kind["kind"] != "full" or not self.has(before) or self.kind(before)["kind"] != "full":
+            return
+        if staged.stat().st_size > DELTA_MAX_BYTES:
+            return
+        delta = make_delta(self.file(before).read_bytes(), staged.read_bytes())
+        if delta is not None:
+            (self.folder / f"v{version}.delta").write_bytes(delta)
+            (self.folder / f"v{version}.delta.json").write_text(json.dumps({"base": before}))
+
+    def delta_file(self, version: int) -> Path:
+        path = self.folder / f"v{version}.delta"
+        if not path.is_file():
+            raise NotFound(f"version {version} has no delta")
+        return path
 
     def _check_kind(self, upload: Path) -> dict:
         """What the upload says it is, checked: an adapter must name a stored full version as
@@ -167,6 +198,8 @@ class WeightStore:
         path.with_suffix(".sha256").unlink(missing_ok=True)
         (self.folder / f"v{version}.upload.sha256").unlink(missing_ok=True)
         (self.folder / f"v{version}.kind.json").unlink(missing_ok=True)
+        (self.folder / f"v{version}.delta").unlink(missing_ok=True)
+        (self.folder / f"v{version}.delta.json").unlink(missing_ok=True)
 
 
 def _metadata(path: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ says: itself, or a peer already holding or fetching the version (echorl/rollout/
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -17,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file
 
-from echorl.client import BrokerClient
+from echorl.client import BrokerClient, BrokerError
 from echorl.protocol import WeightVersion
 from echorl.rollout.backend import Backend
 from echorl.rollout.peers import Shelf, obtain
-from echorl.transfer import Partial
+from echorl.transfer import Partial, apply_delta
 
 log = logging.getLogger("echorl.weights")
 
@@ -43,7 +44,9 @@ class WeightFollower:
         self.held: tuple[int, str] | None = None  # (version, sha256) in use now
         self.base: tuple[int, str] | None = None  # the full version under the adapters
         self.adapters: dict[int, str] = {}  # resident adapter versions -> sha256
+        self.base_bytes: bytes | None = None  # the full version's, for deltas (in memory only)
         self.downloaded = 0  # bytes of weights fetched
+        self.delta_bytes = 0  # of them, bytes of deltas
         self.from_peers = 0  # of them, bytes from peers
         self.peer_failures = 0  # peers that did not deliver
         cache.mkdir(parents=True, exist_ok=True)
@@ -79,14 +82,22 @@ class WeightFollower:
     def _hold_base(self, info: WeightVersion) -> None:
         """Full version `info` in the backend (its adapters go with the old one)."""
         if self.base != (info.version, info.sha256):
-            self.backend.load_weights(self._fetch(info))
+            self.backend.load_weights(self._fetch(info, full=True))
             self.base, self.adapters = (info.version, info.sha256), {}
 
-    def _fetch(self, info: WeightVersion) -> dict[str, torch.Tensor]:
+    def _fetch(self, info: WeightVersion, full: bool = False) -> dict[str, torch.Tensor]:
         """The tensors of `info`, verified against its sha256 on the way; on the shelf for
-        peers (while they arrive, and after) if this sampler serves them."""
-        self.downloaded += info.size_bytes
+        peers (while they arrive, and after) if this sampler serves them. A `full` version
+        comes as a delta against the one held where the broker has one."""
         big = info.size_bytes > IN_MEMORY_BYTES  # streamed to disk (resumable), then mapped
+        if full and (data := self._from_delta(info)) is not None:
+            part = Partial(info.sha256, info.size_bytes)
+            part.write(data)
+            if self.shelf is not None:
+                self.shelf.put(part)
+            self.base_bytes = data
+            return load(data)
+        self.downloaded += info.size_bytes
         part = Partial(
             info.sha256, info.size_bytes, self.cache / f"v{info.version}.part" if big else None
         )
@@ -102,11 +113,41 @@ class WeightFollower:
         finally:
             part.close()
         if not big:
-            return load(part.value())
+            data = part.value()
+            self.base_bytes = data if full else self.base_bytes
+            return load(data)
+        self.base_bytes = None if full else self.base_bytes
         weights = load_file(part.path)
         if self.shelf is None:
             part.path.unlink()  # else the shelf deletes it when the version goes
         return weights
+
+    def _from_delta(self, info: WeightVersion) -> bytes | None:
+        """`info`'s bytes from the held full version and the broker's delta, or None where
+        there is no delta for it, or it does not reproduce `info`'s sha256 (then the whole
+        version is fetched)."""
+        if info.delta_base is None or self.base_bytes is None or self.base is None:
+            return None
+        if self.base[0] != info.delta_base:
+            return None
+        try:
+            delta = self.client.fetch_delta(info.version)
+            data = apply_delta(self.base_bytes, delta)
+        except (BrokerError, ValueError) as e:
+            log.warning(
+                "%s: no delta for version %d (%s); fetching it whole", self.name, info.version, e
+            )
+            return None
+        self.downloaded += len(delta)
+        if hashlib.sha256(data).hexdigest() != info.sha256:
+            log.warning(
+                "%s: the delta for version %d does not reproduce it; fetching it whole",
+                self.name,
+                info.version,
+            )
+            return None
+        self.delta_bytes += len(delta)
+        return data
 
     def _receive(self, info: WeightVersion, part: Partial) -> None:
         got = obtain(self.client, info, part, self.name)

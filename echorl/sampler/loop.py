@@ -155,6 +155,7 @@ class Sampler:
                     "sampler/download_s": download_s,
                     "sampler/download_bytes": self.weights.downloaded,
                     "sampler/peer_bytes": self.weights.from_peers,
+                    "sampler/delta_bytes": self.weights.delta_bytes,
                     "sampler/peer_failures": self.weights.peer_failures,
                     "sampler/served_bytes": self.peers.served if self.peers else 0,
                     "sampler/idle_s": self.idle_s,

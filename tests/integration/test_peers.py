@@ -96,3 +96,44 @@ def test_a_version_goes_down_the_tree_and_a_corrupt_peer_is_refused(swarm, caplo
     d, _ = sampler("d", serve=False)  # the liar is not named again for v0
     source = d.client.source(0)
     assert source.url != liar_server.url("127.0.0.1")
+
+
+def test_a_small_step_in_bf16_arrives_as_a_delta_and_a_bad_one_is_fetched_whole(tmp_path):
+    """broker.sampler_dtype = bfloat16: v1 (v0 with one weight in 50 moved) is stored with a
+    delta against v0 too; a sampler holding v0 fetches the delta alone, and what it makes of
+    it is checked by v1's sha256. A delta that does not reproduce v1 (here: the file
+    tampered with on the broker's disk) costs a whole download, not a wrong model."""
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.sampler_dtype=bfloat16")
+    model, _ = build_tiny_model("1m", seed=1)
+    v0 = {k: v.contiguous() for k, v in model.state_dict().items()}
+    v1 = {k: t.clone() for k, t in v0.items()}
+    for t in v1.values():
+        t.view(-1)[::50] += 0.1
+    v2 = {k: t + 0.1 for k, t in v1.items()}  # every weight moved: no delta worth having
+    try:
+        with BrokerClient(url, TRAINER) as trainer, BrokerClient(url, SAMPLER) as client:
+            for version, state in enumerate((v0, v1, v2)):
+                save_file(state, tmp_path / f"v{version}.safetensors")
+                trainer.publish(version, tmp_path / f"v{version}.safetensors")
+            client.join(SamplerInfo(name="s", **IDENTITY))
+            infos = [client.describe(v) for v in range(3)]
+            assert infos[0].delta_base is None and infos[2].delta_base is None
+            assert infos[1].delta_base == 0 and infos[1].delta_bytes < 0.2 * infos[1].size_bytes
+            backend = HFBackend(*build_tiny_model("1m", seed=0))
+            follower = WeightFollower(client, backend, tmp_path / "cache", "s")
+            follower.ensure(0)
+            follower.ensure(1)
+            assert follower.delta_bytes == infos[1].delta_bytes
+            assert follower.downloaded == infos[0].size_bytes + infos[1].delta_bytes
+            held = follower.backend.model.state_dict()
+            assert all(torch.equal(held[k], v1[k].bfloat16().float()) for k in v1)
+
+            (tmp_path / "b" / "weights" / "v1.delta").write_bytes(b"not a delta")
+            again = WeightFollower(client, HFBackend(*build_tiny_model()), tmp_path / "c2", "t")
+            again.ensure(0)
+            again.ensure(1)  # the delta fails: v1 whole, and right
+            assert again.delta_bytes == 0
+            assert again.downloaded == infos[0].size_bytes + infos[1].size_bytes
+            assert all(torch.equal(again.backend.model.state_dict()[k], held[k]) for k in v1)
+    finally:
+        stop_broker(proc)
