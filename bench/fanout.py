@@ -5,8 +5,11 @@ The broker runs in the root namespace behind an uplink of --broker-mbit; K fetch
 a network namespace of their own behind --sampler-mbit each way (bench/netns.py: tc tbf on
 veth cables; root needed). A fetcher is a sampler's weight path alone (register, ask the
 broker for a source, fetch, verify the sha256, serve peers: `echorl.rollout.peers.obtain`),
-without a model, so K = 8 fits 2 cores. Each version is published, every fetcher is told to
-fetch it at once, and the time until the last one holds it whole is taken.
+without a model, so K = 8 fits 2 cores. v0 (random bytes) is fetched whole by all first; then
+each version is v0's successor with --step-share of its 16-bit words changed (a bf16 version
+after a small step), every fetcher is told to fetch it at once, and the time until the last
+one holds it whole is taken. "+ delta": fetchers take the broker's delta against the version
+they hold (transfer.apply_delta, checked by the sha256) instead of the whole version.
 
     sudo python bench/fanout.py                          # K = 1, 2, 4, 8; broker, fanout 1, 2
     sudo python bench/fanout.py --k 8 --size-mb 16       # one size
@@ -26,8 +29,10 @@ import platform
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -39,17 +44,19 @@ from echorl.client import BrokerClient  # noqa: E402
 from echorl.models.tokenizer import RunTokenizer  # noqa: E402
 from echorl.protocol import SamplerInfo  # noqa: E402
 from echorl.rollout.peers import PeerServer, Shelf, obtain, reachable_host  # noqa: E402
-from echorl.transfer import Partial  # noqa: E402
+from echorl.transfer import Partial, apply_delta  # noqa: E402
 
 TRAINER, SAMPLER = "fanout-trainer", "fanout-sampler"
-VERSIONS = 2  # versions timed per configuration; the mean is reported
+VERSIONS = 2  # versions timed per configuration (after v0); the mean is reported
 
 
-def fetcher(url: str, name: str, serve: bool) -> None:
+def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
     """In a sampler's namespace: register, then for each `go V` line on stdin fetch version V
-    and print when it was whole (and from whom); serve peers until stdin closes."""
+    (as a delta against the one held where `delta` and the broker has one) and print when it
+    was whole (and from whom); serve peers until stdin closes."""
     identity = {"tokenizer": RunTokenizer.builtin().fingerprint, "task": "add"}
     server = PeerServer(Shelf()).__enter__() if serve else None
+    held: tuple[int, bytes] | None = None
     with BrokerClient(url, SAMPLER, timeout=30) as client:
         peer_url = server.url(reachable_host(url)) if server else None
         terms = client.join(SamplerInfo(name=name, **identity, peer_url=peer_url))
@@ -62,26 +69,37 @@ def fetcher(url: str, name: str, serve: bool) -> None:
             part = Partial(info.sha256, info.size_bytes)
             if server:
                 server.shelf.put(part)
-            got = obtain(client, info, part, name)
+            source = "broker"
+            if delta and held and info.delta_base == held[0]:
+                part.write(apply_delta(held[1], client.fetch_delta(version)))
+                source = "delta"
+            else:
+                got = obtain(client, info, part, name)
+                source = "peer" if got.peer else "broker"
             assert part.whole
-            print(json.dumps({"done": time.time(), "peer": got.peer, "failures": got.failures}))
-            sys.stdout.flush()
+            held = (version, part.value())
+            print(json.dumps({"done": time.time(), "source": source}), flush=True)
 
 
-def measure(net: Net, k: int, fanout: int, size: int, broker_mbit: float, sampler_mbit: float):
-    """Mean seconds for VERSIONS versions to reach all `k` fetchers, and who served them."""
-    port = 18000 + k * 10 + fanout
-    data = Path(f"/tmp/echorl-fanout-{os.getpid()}-{k}-{fanout}")
+def small_step(old: bytes, share: float) -> bytes:
+    """`old` with `share` of its 16-bit words changed: a bf16 version after a small step."""
+    words = np.frombuffer(old, "<u2").copy()
+    moved = np.random.default_rng(len(old)).random(len(words)) < share
+    words[moved] ^= 0x0001
+    return words.tobytes()
+
+
+def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float):
+    """Mean seconds for versions 1..VERSIONS (each a small step from the last; v0, fetched
+    whole by all first, is not timed) to reach all `k` fetchers, and where they came from."""
+    port = 18000 + k * 10 + fanout + 5 * delta
+    data = Path(f"/tmp/echorl-fanout-{os.getpid()}-{k}-{fanout}-{delta}")
+    data.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"ECHORL_TRAINER_TOKEN": TRAINER, "ECHORL_SAMPLER_TOKEN": SAMPLER}
     broker = subprocess.Popen(
-        [sys.executable, "-m", "echorl.cli", "broker", "--data-dir", str(data), "--port", str(port)]
-        + ["-o", "broker.host=0.0.0.0", "-o", f"broker.peer_fanout={fanout}"]
-        + [
-            "-o",
-            f"broker.max_weights_bytes={4 * size}",
-            "-o",
-            "broker.registrations_per_minute=600",
-        ],
+        [sys.executable, "-m", "echorl.cli", "broker", "--data-dir", str(data / "b")]
+        + ["--port", str(port), "-o", "broker.host=0.0.0.0", "-o", f"broker.peer_fanout={fanout}"]
+        + ["-o", f"broker.max_weights_bytes={4 * size}"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -91,32 +109,30 @@ def measure(net: Net, k: int, fanout: int, size: int, broker_mbit: float, sample
     try:
         with BrokerClient(f"http://127.0.0.1:{port}", TRAINER, retries=30, backoff=0.5) as trainer:
             trainer.run_info()
-            links = net.links[:k]
-            for i, link in enumerate(links):
+            for i, link in enumerate(net.links[:k]):
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--fetcher", url, f"f{i}"]
+                cmd += ["--serve"] if fanout else []
+                cmd += ["--delta"] if delta else []
                 fetchers.append(
                     subprocess.Popen(
-                        link.exec(*cmd, *(["--serve"] if fanout else [])),
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        text=True,
+                        link.exec(*cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
                     )
                 )
             for f in fetchers:
                 assert f.stdout.readline().strip() == "ready"
-            times, from_peers = [], 0
-            for v in range(VERSIONS):
-                blob = data / f"w{v}.bin"
-                blob.write_bytes(os.urandom(size))
-                trainer.publish(v, blob)
+            times, sources, blob = [], Counter(), os.urandom(size)
+            for v in range(VERSIONS + 1):
+                blob = blob if v == 0 else small_step(blob, share)
+                (data / "w").write_bytes(blob)
+                trainer.publish(v, data / "w")
                 t0 = time.time()
                 for f in fetchers:
                     f.stdin.write(f"go {v}\n")
                     f.stdin.flush()
                 done = [json.loads(f.stdout.readline()) for f in fetchers]
-                times.append(max(d["done"] for d in done) - t0)
-                from_peers += sum(d["peer"] is not None for d in done)
-            sources = trainer.status(0).weight_sources
+                if v:
+                    times.append(max(d["done"] for d in done) - t0)
+                    sources.update(d["source"] for d in done)
     finally:
         for f in fetchers:
             f.stdin.close()
@@ -124,7 +140,7 @@ def measure(net: Net, k: int, fanout: int, size: int, broker_mbit: float, sample
         broker.terminate()
         broker.wait(30)
         subprocess.run(["rm", "-rf", str(data)])
-    return sum(times) / len(times), from_peers / VERSIONS, sources
+    return sum(times) / len(times), {s: n / VERSIONS for s, n in sources.items()}
 
 
 def tree_depth(k: int, fanout: int) -> int:
@@ -145,43 +161,48 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--fanout", type=int, nargs="+", default=[0, 1, 2], help="0: broker alone")
+    ap.add_argument(
+        "--delta-fanout", type=int, nargs="*", default=[1], help="the same, samplers taking deltas"
+    )
+    ap.add_argument("--step-share", type=float, default=0.03, help="16-bit words a version changes")
+    ap.add_argument("--delta", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size-mb", type=float, default=8.0, help="bytes of a version (W)")
     ap.add_argument("--broker-mbit", type=float, default=50.0)
     ap.add_argument("--sampler-mbit", type=float, default=50.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fanout.json")
     args = ap.parse_args()
     if args.fetcher:
-        return fetcher(*args.fetcher, args.serve)
+        return fetcher(*args.fetcher, args.serve, args.delta)
     console = Console()
     if why := unavailable():
         console.print(f"[red]bench/fanout.py needs network namespaces: {why}")
         raise SystemExit(2)
     size = int(args.size_mb * (1 << 20))
     bits = size * 8 / 1e6  # Mbit
+    configs = [(f, False) for f in args.fanout] + [(f, True) for f in args.delta_fanout]
     rows = []
     with Net(broker_mbit=args.broker_mbit) as net:
         for k in range(max(args.k)):
             net.add(f"f{k}", mbit=args.sampler_mbit)
         for k in args.k:
-            for fanout in args.fanout:
+            for fanout, delta in configs:
                 if fanout and k == 1:
                     continue  # nobody to pass it on to
-                seconds, from_peers, sources = measure(
-                    net, k, fanout, size, args.broker_mbit, args.sampler_mbit
-                )
-                bound = bits / min(args.broker_mbit, args.sampler_mbit)
-                broker_only = max(k * bits / args.broker_mbit, bits / args.sampler_mbit)
+                seconds, sources = measure(net, k, fanout, delta, size, args.step_share)
+                label = "broker" if not fanout else f"peers, fan-out {fanout}"
                 rows.append(
                     {
                         "k": k,
-                        "source": "broker" if not fanout else f"peers (fanout {fanout})",
+                        "source": label + (" + delta" if delta else ""),
                         "fanout": fanout,
+                        "delta": delta,
                         "seconds_to_all": round(seconds, 2),
-                        "lower_bound_s": round(bound, 2),
+                        "lower_bound_s": round(bits / min(args.broker_mbit, args.sampler_mbit), 2),
+                        "broker_alone_bound_s": round(
+                            max(k * bits / args.broker_mbit, bits / args.sampler_mbit), 2
+                        ),
                         "tree_depth": tree_depth(k, fanout),
-                        "broker_alone_bound_s": round(broker_only, 2),
-                        "from_peers_per_version": from_peers,
-                        "named": sources,
+                        "sources_per_version": sources,
                     }
                 )
                 console.print(rows[-1])
@@ -189,7 +210,7 @@ def main() -> None:
         title=f"a {args.size_mb:g} MB version to every sampler: broker {args.broker_mbit:g} "
         f"Mbit/s, samplers {args.sampler_mbit:g} Mbit/s each (tc tbf, network namespaces)"
     )
-    for col in ("K", "source", "s to all", "bound: any tree", "bound: broker alone", "from peers"):
+    for col in ("K", "source", "s to all", "bound: any tree", "bound: broker alone", "came from"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -198,7 +219,7 @@ def main() -> None:
             f"{r['seconds_to_all']:.2f}",
             f"{r['lower_bound_s']:.2f}",
             f"{r['broker_alone_bound_s']:.2f}",
-            f"{r['from_peers_per_version']:g}/{r['k']}",
+            ", ".join(f"{s} {n:g}" for s, n in sorted(r["sources_per_version"].items())),
         )
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
