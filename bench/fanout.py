@@ -17,7 +17,8 @@ they hold (transfer.apply_delta, checked by the sha256) instead of the whole ver
 The lower bound a version can reach every sampler in: W / min(B_broker, B_sampler), one copy
 over the slowest link on its way (a peer passes bytes on as they come, so each hop of the tree
 adds little more than a round trip). Broker alone, its uplink carries K copies: at best
-max(K W / B_broker, W / B_sampler). Prints a table and writes bench/results/fanout.json.
+max(K W / B_broker, W / B_sampler). Prints a table and writes bench/results/fanout.json
+and fanout.png.
 """
 
 from __future__ import annotations
@@ -69,16 +70,17 @@ def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
             part = Partial(info.sha256, info.size_bytes)
             if server:
                 server.shelf.put(part)
-            source = "broker"
             if delta and held and info.delta_base == held[0]:
-                part.write(apply_delta(held[1], client.fetch_delta(version)))
-                source = "delta"
+                patch = client.fetch_delta(version)
+                part.write(apply_delta(held[1], patch))
+                source, fetched = "delta", len(patch)
             else:
                 got = obtain(client, info, part, name)
-                source = "peer" if got.peer else "broker"
+                source, fetched = "peer" if got.peer else "broker", info.size_bytes
             assert part.whole
             held = (version, part.value())
-            print(json.dumps({"done": time.time(), "source": source}), flush=True)
+            print(json.dumps({"done": time.time(), "source": source, "bytes": fetched}))
+            sys.stdout.flush()
 
 
 def small_step(old: bytes, share: float) -> bytes:
@@ -120,7 +122,7 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
                 )
             for f in fetchers:
                 assert f.stdout.readline().strip() == "ready"
-            times, sources, blob = [], Counter(), os.urandom(size)
+            times, sources, fetched, blob = [], Counter(), 0, os.urandom(size)
             for v in range(VERSIONS + 1):
                 blob = blob if v == 0 else small_step(blob, share)
                 (data / "w").write_bytes(blob)
@@ -133,6 +135,7 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
                 if v:
                     times.append(max(d["done"] for d in done) - t0)
                     sources.update(d["source"] for d in done)
+                    fetched += sum(d["bytes"] for d in done)
     finally:
         for f in fetchers:
             f.stdin.close()
@@ -140,7 +143,8 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
         broker.terminate()
         broker.wait(30)
         subprocess.run(["rm", "-rf", str(data)])
-    return sum(times) / len(times), {s: n / VERSIONS for s, n in sources.items()}
+    share = fetched / (VERSIONS * k * size)  # bytes a sampler fetched per version, of W
+    return sum(times) / len(times), {s: n / VERSIONS for s, n in sources.items()}, share
 
 
 def tree_depth(k: int, fanout: int) -> int:
@@ -153,6 +157,106 @@ def tree_depth(k: int, fanout: int) -> int:
         depth += 1
         reached += fanout**depth
     return depth
+
+
+def render(rows: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    cols = ("K", "source", "s to all", "bound: any tree", "bound: broker alone", "came from")
+    for col in (*cols, "bytes / version"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["k"]),
+            r["source"],
+            f"{r['seconds_to_all']:.2f}",
+            f"{r['lower_bound_s']:.2f}",
+            f"{r['broker_alone_bound_s']:.2f}",
+            ", ".join(f"{s} {n:g}" for s, n in sorted(r["sources_per_version"].items())),
+            f"{r['bytes_per_version_share']:.1%}",
+        )
+    return table
+
+
+def plot(rows: list[dict], path: Path, title: str, ax=None) -> None:
+    """Seconds to every sampler against K, a line per source, with the two bounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for source in dict.fromkeys(r["source"] for r in rows):
+        mine = [r for r in rows if r["source"] == source]
+        ax.plot([r["k"] for r in mine], [r["seconds_to_all"] for r in mine], "o-", label=source)
+    ks = sorted({r["k"] for r in rows})
+    bounds = {r["k"]: r for r in rows}
+    ax.plot(
+        ks,
+        [bounds[k]["broker_alone_bound_s"] for k in ks],
+        "k--",
+        lw=1,
+        label="bound: broker alone",
+    )
+    ax.plot(
+        ks,
+        [bounds[k]["lower_bound_s"] for k in ks],
+        "k:",
+        lw=1,
+        label="bound: one copy, slowest link",
+    )
+    ax.set_xlabel("samplers K")
+    ax.set_ylabel("s until every sampler holds the version")
+    ax.set_xticks(ks)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    if own:
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def sweep(
+    ks: list[int],
+    configs: list[tuple[int, bool]],
+    size_mb: float,
+    broker_mbit: float,
+    sampler_mbit: float,
+    step_share: float,
+    console: Console,
+) -> list[dict]:
+    """One row per K and (fan-out, delta) configuration; needs root (`unavailable()`)."""
+    size = int(size_mb * (1 << 20))
+    bits = size * 8 / 1e6  # Mbit
+    rows = []
+    with Net(broker_mbit=broker_mbit) as net:
+        for k in range(max(ks)):
+            net.add(f"f{k}", mbit=sampler_mbit)
+        for k in ks:
+            for fanout, delta in configs:
+                if fanout and k == 1 and not delta:
+                    continue  # nobody to pass it on to
+                seconds, sources, share = measure(net, k, fanout, delta, size, step_share)
+                label = "broker" if not fanout else f"peers, fan-out {fanout}"
+                rows.append(
+                    {
+                        "k": k,
+                        "source": label + (" + delta" if delta else ""),
+                        "fanout": fanout,
+                        "delta": delta,
+                        "seconds_to_all": round(seconds, 2),
+                        "lower_bound_s": round(bits / min(broker_mbit, sampler_mbit), 2),
+                        "broker_alone_bound_s": round(
+                            max(k * bits / broker_mbit, bits / sampler_mbit), 2
+                        ),
+                        "tree_depth": tree_depth(k, fanout),
+                        "sources_per_version": sources,
+                        "bytes_per_version_share": round(share, 4),
+                    }
+                )
+                console.print(rows[-1])
+    return rows
 
 
 def main() -> None:
@@ -177,50 +281,14 @@ def main() -> None:
     if why := unavailable():
         console.print(f"[red]bench/fanout.py needs network namespaces: {why}")
         raise SystemExit(2)
-    size = int(args.size_mb * (1 << 20))
-    bits = size * 8 / 1e6  # Mbit
     configs = [(f, False) for f in args.fanout] + [(f, True) for f in args.delta_fanout]
-    rows = []
-    with Net(broker_mbit=args.broker_mbit) as net:
-        for k in range(max(args.k)):
-            net.add(f"f{k}", mbit=args.sampler_mbit)
-        for k in args.k:
-            for fanout, delta in configs:
-                if fanout and k == 1:
-                    continue  # nobody to pass it on to
-                seconds, sources = measure(net, k, fanout, delta, size, args.step_share)
-                label = "broker" if not fanout else f"peers, fan-out {fanout}"
-                rows.append(
-                    {
-                        "k": k,
-                        "source": label + (" + delta" if delta else ""),
-                        "fanout": fanout,
-                        "delta": delta,
-                        "seconds_to_all": round(seconds, 2),
-                        "lower_bound_s": round(bits / min(args.broker_mbit, args.sampler_mbit), 2),
-                        "broker_alone_bound_s": round(
-                            max(k * bits / args.broker_mbit, bits / args.sampler_mbit), 2
-                        ),
-                        "tree_depth": tree_depth(k, fanout),
-                        "sources_per_version": sources,
-                    }
-                )
-                console.print(rows[-1])
-    table = Table(
-        title=f"a {args.size_mb:g} MB version to every sampler: broker {args.broker_mbit:g} "
+    rows = sweep(args.k, configs, args.size_mb, args.broker_mbit, args.sampler_mbit,
+                 args.step_share, console)  # fmt: skip
+    title = (
+        f"a {args.size_mb:g} MB version to every sampler: broker {args.broker_mbit:g} "
         f"Mbit/s, samplers {args.sampler_mbit:g} Mbit/s each (tc tbf, network namespaces)"
     )
-    for col in ("K", "source", "s to all", "bound: any tree", "bound: broker alone", "came from"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            str(r["k"]),
-            r["source"],
-            f"{r['seconds_to_all']:.2f}",
-            f"{r['lower_bound_s']:.2f}",
-            f"{r['broker_alone_bound_s']:.2f}",
-            ", ".join(f"{s} {n:g}" for s, n in sorted(r["sources_per_version"].items())),
-        )
+    table = render(rows, title)
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -235,7 +303,9 @@ def main() -> None:
             indent=1,
         )
     )
-    console.print(f"wrote {args.out}")
+    png = args.out.with_suffix(".png")
+    plot(rows, png, title)
+    console.print(f"wrote {args.out} and {png}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ Prints a table and writes bench/results/swarm.json and bench/results/swarm.png: 
 the end of the first step), the trainer's wait per step for its batch (steady state), the
 slowest sampler's time for a step's work (B groups at its speed), trainer and sampler
 utilisation, wasted tokens (sync's cancelled work, broker and samplers) and the final reward.
+As root, also the time for a new version to reach all K samplers behind 50 Mbit/s links,
+from the broker alone, from peers, and from peers with deltas (bench/fanout.py's sweep, in
+network namespaces; --no-updates skips it).
 """
 
 from __future__ import annotations
@@ -41,9 +44,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` from anywhere
+from bench.fanout import plot as plot_updates  # noqa: E402
+from bench.fanout import render, sweep  # noqa: E402
+from bench.netns import unavailable  # noqa: E402
 from echorl.metrics import read_metrics  # noqa: E402
 
 SPEEDS = (1, 1, 2, 4)  # slowdown of sampler k: SPEEDS[k % 4]
+UPDATES = "an 8 MB version (3% of words changed) to every sampler, 50 Mbit/s links"
 CONFIGS = {
     "sync": ["broker.mode=sync"],
     "sync-speed": ["broker.mode=sync", "broker.lease_by_speed=true"],
@@ -140,6 +148,11 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--work", type=Path, default=Path("runs/bench_swarm"))
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument(
+        "--no-updates",
+        action="store_true",
+        help="skip the time for a version to reach all K samplers (bench/fanout.py; root)",
+    )
     args = ap.parse_args()
     console = Console(width=200)
     model = args.work / "sft"
@@ -172,6 +185,15 @@ def main() -> None:
         "batch per step after the first; slowest step work: B groups at the slowest sampler's "
         "measured speed; wasted: tokens generated for cancelled jobs (sync only)"
     )
+    # Time to all samplers updated: K samplers' weight paths behind 50 Mbit/s links, the broker
+    # alone, peers (a chain) and peers with deltas (bench/fanout.py, in network namespaces).
+    updates, why = [], "--no-updates" if args.no_updates else unavailable()
+    if why is None:
+        configs = [(0, False), (1, False), (1, True)]
+        updates = sweep(args.k, configs, 8.0, 50.0, 50.0, 0.03, console)
+        console.print(render(updates, UPDATES))
+    else:
+        console.print(f"[yellow]time to all samplers updated: not measured ({why})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "swarm.json").write_text(
         json.dumps(
@@ -181,16 +203,21 @@ def main() -> None:
                 "batch": args.batch,
                 "speeds": list(SPEEDS),
                 "results": results,
+                "updates": updates,
+                "updates_setup": UPDATES,
             },
             indent=1,
         )
     )
-    plot(results, args.out / "swarm.png")
+    plot(results, args.out / "swarm.png", updates)
     console.print(f"wrote {args.out / 'swarm.json'} and {args.out / 'swarm.png'}")
 
 
-def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+def plot(results: dict[str, dict[int, dict]], path: Path, updates: list[dict]) -> None:
+    panels = 3 if updates else 2
+    fig, (left, right, *rest) = plt.subplots(1, panels, figsize=(5 * panels, 4), dpi=120)
+    if updates:
+        plot_updates(updates, path, UPDATES, ax=rest[0])
     for config, by_k in results.items():
         ks = sorted(by_k)
         left.plot(ks, [by_k[k]["steps_per_s"] or 0 for k in ks], marker="o", label=config)
