@@ -25,6 +25,8 @@ def run_on(out, model, *overrides):
     return echorl_run(out, f"model.path={model}", "launch.samplers=2", *overrides)
 
 
+# long (~50 s each): CI's second stage, beside the default suite's 15 minutes.
+@pytest.mark.long
 @pytest.mark.parametrize("mode,bound", [("sync", 0), ("async", 1)])
 def test_both_protocols_hold_and_learn_end_to_end(tmp_path, warm_add, mode, bound):
     out = tmp_path / mode

@@ -183,6 +183,7 @@ def test_a_trainer_left_with_no_sampler_says_why_and_stops(tmp_path, model):
     assert steps_done(tmp_path / "t") < 50
 
 
+@pytest.mark.long  # ~40 s: it waits out a stall timeout
 def test_a_run_where_every_group_is_flat_warns_then_stops_naming_echorl_sft(tmp_path, model):
     """The untrained model gets reward 0 on every completion: no group has an advantage, so
     nothing is learned. `echorl run` warns after 3 such steps, and once they have gone on

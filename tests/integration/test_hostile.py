@@ -124,6 +124,7 @@ def sybil(url, stop, held, identities, n=1024):
             stop.wait(1.0)  # as often as a sampler would ask
 
 
+@pytest.mark.long  # ~35 s: a run beside a sybil, and one without
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode):
     """Fresh identities that lease everything and never push: the trainer's step rate with

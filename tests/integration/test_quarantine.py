@@ -172,6 +172,7 @@ def honest_rewards(tmp_path):
     return [mean(by_step[s]) for s in sorted(by_step)]
 
 
+@pytest.mark.long  # ~50 s, 40 steps of a 5-sampler swarm
 def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, warm_add):
     states, logs, out, records = run_swarm(tmp_path, warm_add, steps=40)
     _, evals = check(tmp_path, states, logs, out, records)

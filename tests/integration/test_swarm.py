@@ -31,6 +31,7 @@ def per_job_s(out, name):
     return work / sum(b["jobs"] for b in leases)
 
 
+@pytest.mark.long  # ~50 s, four samplers
 def test_over_provisioned_sync_is_not_held_by_a_straggler(tmp_path, warm_add):
     out = tmp_path / "run"
     shown = echorl_run(

@@ -138,6 +138,7 @@ def test_a_broker_that_cannot_build_its_run_refuses_to_start(tmp_path):
     assert other.returncode == 2 and "belongs to a run with task 'add', not 'reverse'" in said
 
 
+@pytest.mark.long  # ~30 s: it waits out a stall timeout
 def test_a_swarm_that_makes_no_progress_is_stopped_with_the_reason(tmp_path):
     """No sampler: no group is ever pushed, so no step can complete."""
     out = tmp_path / "run"
