@@ -64,6 +64,10 @@ from echorl.protocol import (
 from echorl.transfer import Partial
 
 CHUNK = 1 << 20
+# A peer's transfer is given up (and the peer reported) when it is silent this long, or
+# slower than PEER_MIN_RATE bytes/s on average once PEER_GRACE_S have passed: a peer that
+# trickles cannot hold a sampler, and the samplers it feeds, for long.
+PEER_TIMEOUT_S, PEER_GRACE_S, PEER_MIN_RATE = 10.0, 10.0, 64 << 10
 
 
 class BrokerError(Exception):
@@ -307,15 +311,11 @@ class BrokerClient:
         """Append `info`'s bytes from `into.have` on, from `peer` or the broker; True if the
         transfer broke off (after a backoff: call again to resume), False once the source
         sent the rest (or more than the version holds: wrong bytes)."""
-        if peer is None:
-            http, url, headers = self.http, f"/v1/weights/{info.version}", {}
-        else:  # not the broker's client: a peer never sees this sampler's credential
-            http, url = self._peers(), f"{peer.url}/v1/peer/weights/{info.sha256}"
-            headers = {"Authorization": f"Bearer {peer.ticket}"}
-        if into.have:
-            headers["Range"] = f"bytes={into.have}-"
+        if peer is not None:
+            return self._stream_peer(info, into, peer)
+        headers = {"Range": f"bytes={into.have}-"} if into.have else {}
         try:
-            with http.stream("GET", url, headers=headers) as r:
+            with self.http.stream("GET", f"/v1/weights/{info.version}", headers=headers) as r:
                 if r.status_code == 416:  # nothing after `have`: already whole
                     return False
                 if r.status_code >= 400:
@@ -334,9 +334,39 @@ class BrokerClient:
             time.sleep(self.backoff)
             return True
 
+    def _stream_peer(self, info: WeightVersion, into: Partial, peer: WeightSource) -> bool:
+        """As `_stream`, from a peer, which is not trusted: its own client (it never sees this
+        sampler's credential), the bytes taken raw (no decoding), an error's body unread, and
+        a transfer slower than PEER_MIN_RATE on average after PEER_GRACE_S given up. Any
+        failure raises BrokerUnavailable: the caller reports the peer and asks elsewhere."""
+        headers = {"Authorization": f"Bearer {peer.ticket}", "Accept-Encoding": "identity"}
+        if into.have:
+            headers["Range"] = f"bytes={into.have}-"
+        url = f"{peer.url}/v1/peer/weights/{info.sha256}"
+        start, t0 = into.have, time.monotonic()
+        try:
+            with self._peers().stream("GET", url, headers=headers) as r:
+                if r.status_code == 416:  # nothing after `have`: already whole
+                    return False
+                if r.status_code >= 400:
+                    raise BrokerUnavailable(r.status_code, "the peer refused")
+                if r.status_code != 206:
+                    into.restart()
+                    start = 0
+                for chunk in r.iter_raw(CHUNK):
+                    into.write(chunk)
+                    if into.have > info.size_bytes:
+                        break  # not this version
+                    took = time.monotonic() - t0
+                    if took > PEER_GRACE_S and into.have - start < PEER_MIN_RATE * took:
+                        raise BrokerUnavailable(None, f"under {PEER_MIN_RATE >> 10} KiB/s")
+            return False
+        except (httpx.HTTPError, httpx.StreamError) as e:
+            raise BrokerUnavailable(None, f"{type(e).__name__}: {e}") from None
+
     def _peers(self) -> httpx.Client:
         if self._peer_http is None:
-            self._peer_http = httpx.Client(timeout=self.timeout)
+            self._peer_http = httpx.Client(timeout=PEER_TIMEOUT_S)
         return self._peer_http
 
     def status(self, limit: int = 100) -> StatusReply:

@@ -475,7 +475,7 @@ class Capacity(_Wire):
     step_tokens: float  # completion tokens per step
     needed_tokens_per_s: float  # step_tokens / train_s: the trainer never waits
     swarm_tokens_per_s: float  # the alive samplers' measured speeds, summed
-    dissemination_s: float | None  # a version's fetch and load, the slowest sampler's
+    dissemination_s: float | None  # a version's fetch and load, the median sampler's
     staleness_to_overlap: int | None  # the smallest max_staleness that hides both
     max_staleness: int  # the run's (0 in sync)
     keep: list[str] = []  # the cheapest samplers (names) whose speed covers the need

@@ -31,6 +31,7 @@ class Partial:
                         self.hasher.update(block)
             self.file = path.open("ab")
         self.have = self.file.tell() if self.file else 0
+        self.generation = 0  # bumped by each restart: a reader of the old bytes is cut off
         self.failed = False
         self.changed = threading.Condition()
 
@@ -56,6 +57,7 @@ class Partial:
             else:
                 del self.data[:]
             self.have = 0
+            self.generation += 1
             self.hasher = hashlib.sha256()
             self.changed.notify_all()
 
@@ -79,13 +81,18 @@ class Partial:
 
     # -- readers -------------------------------------------------------------------------------
 
-    def read(self, offset: int, n: int) -> bytes:
+    def read(self, offset: int, n: int, generation: int) -> bytes:
         """Up to `n` bytes from `offset`, waiting (up to WAIT_S) while they are still to come;
-        b"" where the version ends, or once the download failed or went back before `offset`."""
+        b"" where the version ends, or once the download failed or restarted since the
+        reader began (at `generation`): the bytes it has are not this download's."""
+
+        def over() -> bool:
+            return self.failed or self.generation != generation
+
         with self.changed:
-            self.changed.wait_for(lambda: self.have > offset or self.failed, timeout=WAIT_S)
+            self.changed.wait_for(lambda: self.have > offset or over(), timeout=WAIT_S)
             end = min(self.have, offset + n)
-            if self.failed or end <= offset:
+            if over() or end <= offset:
                 return b""
             if self.data is not None:
                 return bytes(self.data[offset:end])
@@ -109,9 +116,13 @@ def make_delta(old: bytes, new: bytes) -> bytes | None:
     if len(old) != len(new) or len(new) % 2 or len(new) >= 1 << 33:
         return None
     a, b = np.frombuffer(old, "<u2"), np.frombuffer(new, "<u2")
+    most = int(DELTA_MAX_SHARE * len(new) / 6)  # 6 bytes a changed word, before compression
+    changed = 0
+    for i in range(0, len(a), 1 << 24):  # counted by pieces: given up early, memory bounded
+        changed += int(np.count_nonzero(a[i : i + (1 << 24)] != b[i : i + (1 << 24)]))
+        if changed > most:
+            return None
     idx = np.flatnonzero(a != b)
-    if 6 * len(idx) > DELTA_MAX_SHARE * len(new):  # 6 bytes a word before compression
-        return None
     gaps = np.diff(idx, prepend=0).astype("<u4")
     raw = len(idx).to_bytes(8, "little") + gaps.tobytes() + b[idx].tobytes()
     blob = zlib.compress(raw, 1)

@@ -21,6 +21,7 @@ loads took (download and load) with a heartbeat the moment it is loaded.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 
 from echorl.protocol import Capacity, SamplerStatus
@@ -38,7 +39,7 @@ class Pace:
         self.step_tokens: float | None = None
         self.step_s: float | None = None  # wall time between acks
         self.last_ack: float | None = None
-        self.fetch_s: dict[int, float] = {}  # version -> the slowest sampler's fetch and load
+        self.fetch_s: dict[int, list[float]] = {}  # version -> the samplers' fetch and load
         self.lock = threading.Lock()
 
     def step(self, train_s: float, tokens: int, now: float) -> None:
@@ -54,15 +55,15 @@ class Pace:
         if version is None or seconds is None:
             return
         with self.lock:
-            self.fetch_s[version] = max(seconds, self.fetch_s.get(version, 0.0))
+            self.fetch_s.setdefault(version, []).append(seconds)
             for old in [v for v in self.fetch_s if v <= version - VERSIONS_KEPT]:
                 del self.fetch_s[old]
 
     def dissemination_s(self) -> float | None:
-        """A version's way to the swarm: the slowest sampler's fetch and load, averaged over
-        the recent versions."""
+        """A version's way to a sampler: the median sampler's fetch and load (one sampler's
+        word cannot move it), averaged over the recent versions."""
         with self.lock:
-            spans = list(self.fetch_s.values())
+            spans = [statistics.median(told) for told in self.fetch_s.values()]
         return sum(spans) / len(spans) if spans else None
 
 
@@ -76,9 +77,10 @@ def capacity(pace: Pace, samplers: list[SamplerStatus], max_staleness: int) -> C
     needed = pace.step_tokens / max(pace.train_s, 1e-9)
     spread = pace.dissemination_s()
     overlap = None
-    if swarm > 0 and spread is not None:
+    if swarm > 1e-6 and spread is not None:
         steps = (spread + pace.step_tokens / swarm) / max(pace.train_s, 1e-9)
-        overlap = max(0, math.ceil(steps - 1e-9) - 1)
+        if math.isfinite(steps) and steps < 1e9:  # figures from samplers: never a 500
+            overlap = max(0, math.ceil(steps - 1e-9) - 1)
     # The cheapest set whose speed covers the need: by cost per token/s, those that tell.
     priced = sorted(
         (s for s in alive if s.cost_per_hour is not None and speeds[s.id] > 0),
@@ -117,8 +119,8 @@ def describe(c: Capacity) -> list[str]:
     ]
     if c.dissemination_s is not None:
         lines.append(
-            f"capacity: a new version takes {c.dissemination_s:.2f} s to reach a sampler (the "
-            "slowest: download and load)"
+            f"capacity: a new version takes {c.dissemination_s:.2f} s to reach a sampler "
+            "(download and load, the median sampler)"
         )
     if c.staleness_to_overlap is not None:
         lines.append(

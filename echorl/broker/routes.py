@@ -433,7 +433,8 @@ def source(
 ) -> WeightSource:
     """Where this sampler fetches `version`: the broker or a peer (broker/fanout.py)."""
     info = st.weights.describe(version)  # 404 for a version not stored
-    return st.fanout.source(version, info.sha256, caller.sampler_id or "", body.failed)
+    asker = caller.sampler_id or "@trainer"  # an auditor: the trainer's token
+    return st.fanout.source(version, info.sha256, asker, body.failed)
 
 
 class WeightsResponse(FileResponse):

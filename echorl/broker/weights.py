@@ -139,15 +139,22 @@ class WeightStore:
     def _delta(self, staged: Path, version: int, kind: dict) -> None:
         """`version` as a delta against the version before it, for samplers that hold that
         one (transfer.make_delta), where one is worth having: bf16 weights, a small step."""
+        path, base = self.folder / f"v{version}.delta", self.folder / f"v{version}.delta.json"
+        path.unlink(missing_ok=True)  # a version number published again: its old delta goes
+        base.unlink(missing_ok=True)
         before = version - 1
-        if kind["kind"] != "full" or not self.has(before) or self.kind(before)["kind"] != "full":
+        if self.dtype == "float32" or kind["kind"] != "full":
+            return  # float32's low half-words change with any step: no delta worth making
+        if not self.has(before) or self.kind(before)["kind"] != "full":
             return
         if staged.stat().st_size > DELTA_MAX_BYTES:
             return
         delta = make_delta(self.file(before).read_bytes(), staged.read_bytes())
-        if delta is not None:
-            (self.folder / f"v{version}.delta").write_bytes(delta)
-            (self.folder / f"v{version}.delta.json").write_text(json.dumps({"base": before}))
+        if delta is not None:  # its base first: a delta is visible only once it is whole
+            base.write_text(json.dumps({"base": before}))
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(delta)
+            tmp.replace(path)
 
     def delta_file(self, version: int) -> Path:
         path = self.folder / f"v{version}.delta"

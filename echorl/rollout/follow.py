@@ -99,7 +99,7 @@ class WeightFollower:
             return load(data)
         self.downloaded += info.size_bytes
         part = Partial(
-            info.sha256, info.size_bytes, self.cache / f"v{info.version}.part" if big else None
+            info.sha256, info.size_bytes, self.cache / f"{info.sha256}.part" if big else None
         )
         if self.shelf is not None:
             self.shelf.put(part)

@@ -33,6 +33,7 @@ from echorl.transfer import Partial
 log = logging.getLogger("echorl.peers")
 
 CHUNK = 1 << 20  # bytes per write to a peer
+KEEP = 2  # versions a sampler keeps to serve: the one it holds and the one arriving
 PEER_TRIES = 3  # peers tried for one version before the broker
 
 
@@ -76,7 +77,7 @@ def ticket(secret: str, sha256: str) -> str:
 class Shelf:
     """The versions a sampler can serve, by sha256: the one it holds and the one arriving."""
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = KEEP):
         self.keep = keep
         self.parts: dict[str, Partial] = {}
         self.lock = threading.Lock()
@@ -88,7 +89,7 @@ class Shelf:
             while len(self.parts) > self.keep:  # the oldest goes (dicts keep insertion order)
                 gone.append(self.parts.pop(next(iter(self.parts))))
         for old in gone:
-            if old is not None and old.path is not None:
+            if old is not None and old.path is not None and old.path != part.path:
                 old.path.unlink(missing_ok=True)
 
     def drop(self, sha256: str) -> None:
@@ -114,6 +115,7 @@ class PeerServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = 30  # a connection silent this long is closed (its thread freed)
 
             def log_message(self, *args) -> None:  # not on stderr: the sampler's log is for people
                 log.debug("peer: " + args[0], *args[1:])
@@ -131,12 +133,14 @@ class PeerServer:
 
     def serve(self, req: BaseHTTPRequestHandler) -> None:
         match = re.fullmatch(r"/v1/peer/weights/([0-9a-f]{64})", req.path)
-        part = match and self.shelf.get(match[1])
+        if match is None:
+            return _refuse(req, 404, "no such route")
+        given = req.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.secret is None or not hmac.compare_digest(given, ticket(self.secret, match[1])):
+            return _refuse(req, 403, "no ticket from the broker for this version")
+        part = self.shelf.get(match[1])
         if part is None:
             return _refuse(req, 404, "not held here")
-        given = req.headers.get("Authorization", "").removeprefix("Bearer ")
-        if self.secret is None or not hmac.compare_digest(given, ticket(self.secret, part.sha256)):
-            return _refuse(req, 403, "no ticket from the broker for this version")
         start = 0
         if wanted := req.headers.get("Range"):
             if not (m := RANGE.match(wanted)):
@@ -150,10 +154,10 @@ class PeerServer:
         if start:
             req.send_header("Content-Range", f"bytes {start}-{part.size - 1}/{part.size}")
         req.end_headers()
-        sent = start
+        sent, generation = start, part.generation
         try:
             while sent < part.size:
-                chunk = part.read(sent, CHUNK)
+                chunk = part.read(sent, CHUNK, generation)
                 if not chunk:  # failed, restarted or stalled: cut, and the reader goes elsewhere
                     break
                 req.wfile.write(chunk)

@@ -15,7 +15,7 @@ from echorl.models import build_tiny_model
 from echorl.protocol import SamplerInfo
 from echorl.rollout.follow import WeightFollower
 from echorl.rollout.hf import HFBackend
-from echorl.rollout.peers import PeerServer, Shelf
+from echorl.rollout.peers import PeerServer, Shelf, ticket
 from echorl.transfer import Partial
 from tests.integration.conftest import (
     IDENTITY,
@@ -76,7 +76,8 @@ def test_a_version_goes_down_the_tree_and_a_corrupt_peer_is_refused(swarm, caplo
     url = a_server.url("127.0.0.1") + f"/v1/peer/weights/{info.sha256}"
     assert httpx.get(url).status_code == 403
     assert httpx.get(url, headers={"Authorization": f"Bearer {SAMPLER}"}).status_code == 403
-    assert httpx.get(url.replace(info.sha256, "0" * 64)).status_code == 404
+    other = {"Authorization": f"Bearer {ticket(a_server.secret, '0' * 64)}"}
+    assert httpx.get(url.replace(info.sha256, "0" * 64), headers=other).status_code == 404
 
     # A liar: it asks for v0 (so the broker counts it a source) and serves other bytes under
     # v0's sha256.

@@ -18,13 +18,18 @@ def paced(train_s=1.0, tokens=1000, fetches=(0.5, 1.5)):
     pace.step(train_s, tokens, now=10.0)
     pace.step(train_s, tokens, now=12.0)  # a step every 2 s
     for version, seconds in enumerate(fetches):
-        pace.fetched(version, seconds)
-        pace.fetched(version, seconds / 2)  # a faster sampler: the slowest counts
+        for told in (seconds, seconds / 2, 1e6):  # the median sampler's counts, not a liar's
+            pace.fetched(version, told)
     return pace
 
 
 def test_nothing_before_the_trainer_has_reported_a_step():
     assert capacity(Pace(), [sampler("a", 100.0)], 1) is None
+
+
+def test_a_sampler_claiming_next_to_no_speed_breaks_nothing():
+    c = capacity(paced(), [sampler("a", 5e-324, cost=1.0)], max_staleness=1)
+    assert c.staleness_to_overlap is None and c.keep == ["a"]
 
 
 def test_the_needed_rate_the_spread_and_the_staleness_that_hides_them():
@@ -33,7 +38,7 @@ def test_the_needed_rate_the_spread_and_the_staleness_that_hides_them():
     assert c.needed_tokens_per_s == pytest.approx(1000.0)  # a step's tokens per train_s
     assert c.swarm_tokens_per_s == pytest.approx(500.0)  # the alive samplers only
     assert c.trainer_busy == pytest.approx(0.5)  # 1 s of compute in 2 s steps
-    assert c.dissemination_s == pytest.approx(1.0)  # the slowest fetch, averaged: (0.5 + 1.5) / 2
+    assert c.dissemination_s == pytest.approx(1.0)  # the median fetch, averaged: (0.5 + 1.5) / 2
     # 1 s to spread + 2 s to generate a step's tokens = 3 train steps: staleness 2 hides it.
     assert c.staleness_to_overlap == 2
     assert c.keep == [] and c.keep_cost_per_hour is None  # nobody told a cost

@@ -37,17 +37,34 @@ def test_the_tree_is_breadth_first_and_each_source_serves_at_most_the_fanout():
 
 
 def test_a_failed_peer_is_shunned_for_the_version_then_for_good():
-    fan, _ = swarm(1, 3)
-    assert sources(fan, ["s0", "s1"]) == {"s0": "broker", "s1": "s0"}
-    s = fan.source(0, SHA, "s2", "http://10.0.0.0:9000")  # s2 reports s0 (not its source)
-    assert s.url == "http://10.0.0.1:9000"  # s1: s0 is shunned for v0
-    s = fan.source(0, SHA, "s2", "http://10.0.0.1:9000")  # and s1 failed too
-    assert s.url is None  # the broker, always there
-    fan.source(1, SHA, "x", "http://10.0.0.0:9000")  # a second failure, another version
-    assert fan.failures["s0"] == 2
-    assert fan.source(2, SHA, "s1", None).url is None  # v2: the broker first ...
-    assert fan.source(2, SHA, "s2", None).url == "http://10.0.0.1:9000"  # s1; never s0
-    assert fan.source(2, SHA, "y", None).url == "http://10.0.0.2:9000"
+    fan = FanOut(2)
+    p, q = "http://10.0.0.1:9000", "http://10.0.0.2:9000"
+    fan.join("p", p)
+    fan.join("q", q)
+
+    def broker_serves_p_and_q(v):
+        assert fan.source(v, SHA, "p", None).url is None  # the broker serves two itself
+        assert fan.source(v, SHA, "q", None).url is None
+
+    broker_serves_p_and_q(0)
+    assert fan.source(0, SHA, "a", None).url == p
+    assert fan.source(0, SHA, "a", None).url == p  # asked again: the same, no second place
+    assert fan.source(0, SHA, "a", q).url == p  # a can report only what it was given
+    assert fan.source(0, SHA, "a", p).url == q  # p failed a: shunned for v0
+    broker_serves_p_and_q(1)
+    assert fan.source(1, SHA, "b", None).url == p  # one sampler's word is not enough ...
+    assert fan.source(1, SHA, "b", p).url == q
+    broker_serves_p_and_q(2)
+    assert fan.source(2, SHA, "c", None).url == q  # ... two samplers': never again
+
+
+def test_an_old_version_comes_from_the_broker_and_an_auditor_is_no_broker():
+    fan = FanOut(1)
+    fan.join("p", "http://10.0.0.1:9000")
+    assert fan.source(5, SHA, "p", None).url is None
+    assert fan.source(5, SHA, "@trainer", None).url == "http://10.0.0.1:9000"
+    fan.source(7, SHA, "x", None)  # v7 is out: samplers keep v7 and v6 at most
+    assert fan.source(5, SHA, "y", None).url is None
 
 
 def test_fanout_zero_is_the_broker_alone_and_a_sampler_that_left_is_not_named():

@@ -39,16 +39,29 @@ def test_a_reader_waits_for_bytes_to_come_and_is_cut_off_by_a_failure():
     part = Partial(SHA, len(BLOB))
     part.write(BLOB[:10])
     got = {}
-    reader = threading.Thread(target=lambda: got.setdefault("tail", part.read(10, 100)))
+    reader = threading.Thread(target=lambda: got.setdefault("tail", part.read(10, 100, 0)))
     reader.start()
     part.write(BLOB[10:50])
     reader.join(5)
     assert got["tail"] == BLOB[10:50]
-    waiting = threading.Thread(target=lambda: got.setdefault("cut", part.read(50, 100)))
+    waiting = threading.Thread(target=lambda: got.setdefault("cut", part.read(50, 100, 0)))
     waiting.start()
     part.fail()
     waiting.join(5)
     assert got["cut"] == b""
+
+
+def test_a_restart_cuts_off_a_reader_of_the_bytes_before_it():
+    """A peer passing a download on that starts over (wrong bytes) must not splice the new
+    bytes onto the old ones for its reader: the reader is cut off, and asks again."""
+    part = Partial(SHA, len(BLOB))
+    part.write(b"x" * 100)
+    generation = part.generation
+    assert part.read(0, 50, generation) == b"x" * 50
+    part.restart()
+    part.write(BLOB[:200])
+    assert part.read(50, 50, generation) == b""
+    assert part.read(50, 50, part.generation) == BLOB[50:100]
 
 
 def test_the_peer_server_passes_a_version_on_while_it_arrives():
