@@ -353,7 +353,7 @@ class BrokerClient:
                 if r.status_code != 206:
                     into.restart()
                     start = 0
-                for chunk in r.iter_raw(CHUNK):
+                for chunk in r.iter_raw():  # as it comes: the rate is checked on each piece
                     into.write(chunk)
                     if into.have > info.size_bytes:
                         break  # not this version

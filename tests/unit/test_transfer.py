@@ -1,12 +1,19 @@
-"""A version in transit (echorl/transfer.py) and a sampler's peer server passing it on while
-it arrives (echorl/rollout/peers.py)."""
+"""A version in transit (echorl/transfer.py), a sampler's peer server passing it on while it
+arrives (echorl/rollout/peers.py), and peers that misbehave (echorl/client.py)."""
 
+import contextlib
 import hashlib
 import os
 import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import pytest
 
+import echorl.client as client_module
+from echorl.client import BrokerClient, BrokerUnavailable
+from echorl.protocol import WeightSource, WeightVersion
 from echorl.rollout.peers import PeerServer, Shelf, ticket
 from echorl.transfer import Partial
 
@@ -92,3 +99,45 @@ def test_the_peer_server_passes_a_version_on_while_it_arrives():
         other = {"Authorization": f"Bearer {ticket('another secret', SHA)}"}
         assert httpx.get(url, headers=other).status_code == 403
         assert server.served == 2 * len(BLOB) - 1000
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """A peer that trickles its bytes, or sends garbage marked as gzip."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        if self.server.mode == "gzip":
+            garbage = b"not gzip at all" * 1000
+            self.send_header("Content-Length", str(len(garbage)))
+            self.send_header("Content-Encoding", "gzip")
+            self.end_headers()
+            self.wfile.write(garbage)
+            return
+        self.send_header("Content-Length", str(len(BLOB)))
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            for _ in range(100):  # 100 bytes a second: would take a month
+                self.wfile.write(BLOB[:10])
+                self.wfile.flush()
+                time.sleep(0.1)
+
+
+def test_a_peer_that_trickles_or_sends_garbage_is_given_up_not_waited_for(monkeypatch):
+    monkeypatch.setattr(client_module, "PEER_GRACE_S", 0.5)
+    info = WeightVersion(version=0, sha256=SHA, size_bytes=len(BLOB))
+    for mode in ("trickle", "gzip"):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+        server.mode, server.daemon_threads = mode, True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        peer = WeightSource(url=f"http://127.0.0.1:{server.server_address[1]}", ticket="0" * 64)
+        with BrokerClient("http://127.0.0.1:9", retries=0) as client:
+            t0 = time.monotonic()
+            with pytest.raises(BrokerUnavailable):  # reported, and the broker asked instead
+                client.receive(info, Partial(SHA, len(BLOB)), peer)
+            assert time.monotonic() - t0 < 5, mode
+        server.shutdown()
