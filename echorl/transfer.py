@@ -49,8 +49,11 @@ class Partial:
             self.changed.notify_all()
 
     def restart(self) -> None:
-        """Drop what arrived (a source sent it all again, or it was wrong)."""
+        """Drop what arrived (a source sent it all again, or it was wrong). With nothing in,
+        nothing changes: readers already waiting for the first bytes stay."""
         with self.changed:
+            if self.have == 0:
+                return
             if self.file is not None:
                 self.file.truncate(0)
                 self.file.seek(0)
