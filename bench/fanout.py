@@ -5,9 +5,9 @@ The broker runs in the root namespace behind an uplink of --broker-mbit; K fetch
 a network namespace of their own behind --sampler-mbit each way (bench/netns.py: tc tbf on
 veth cables; root needed). A fetcher is a sampler's weight path alone (register, ask the
 broker for a source, fetch, verify the sha256, serve peers: `echorl.rollout.peers.obtain`),
-without a model, so K = 8 fits 2 cores. v0 (random bytes) is fetched whole by all first; then
-each version is v0's successor with --step-share of its 16-bit words changed (a bf16 version
-after a small step), every fetcher is told to fetch it at once, and the time until the last
+without a model, so K = 8 fits 2 cores. The versions are bf16 weights (one tensor of random
+bits; the broker keeps bf16: `broker.sampler_dtype`); v0 is fetched whole by all first, then
+each version is the last with --step-share of its words changed (a small step), every fetcher is told to fetch it at once, and the time until the last
 one holds it whole is taken. "+ delta": fetchers take the broker's delta against the version
 they hold (transfer.apply_delta, checked by the sha256) instead of the whole version.
 
@@ -34,8 +34,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -83,12 +85,18 @@ def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
             sys.stdout.flush()
 
 
-def small_step(old: bytes, share: float) -> bytes:
-    """`old` with `share` of its 16-bit words changed: a bf16 version after a small step."""
-    words = np.frombuffer(old, "<u2").copy()
-    moved = np.random.default_rng(len(old)).random(len(words)) < share
-    words[moved] ^= 0x0001
-    return words.tobytes()
+def weights(words: np.ndarray, path: Path) -> None:
+    """A safetensors file of one bf16 tensor holding `words` (what the broker stores as is
+    with `broker.sampler_dtype = bfloat16`)."""
+    save_file({"w": torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)}, path)
+
+
+def small_step(words: np.ndarray, share: float, seed: int) -> np.ndarray:
+    """`words` with `share` of them changed: a bf16 version after a small step."""
+    moved = np.random.default_rng(seed).random(len(words)) < share
+    out = words.copy()
+    out[moved] ^= 0x0001
+    return out
 
 
 def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float):
@@ -101,7 +109,7 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
     broker = subprocess.Popen(
         [sys.executable, "-m", "echorl.cli", "broker", "--data-dir", str(data / "b")]
         + ["--port", str(port), "-o", "broker.host=0.0.0.0", "-o", f"broker.peer_fanout={fanout}"]
-        + ["-o", f"broker.max_weights_bytes={4 * size}"],
+        + ["-o", f"broker.max_weights_bytes={4 * size}", "-o", "broker.sampler_dtype=bfloat16"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -122,11 +130,12 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
                 )
             for f in fetchers:
                 assert f.stdout.readline().strip() == "ready"
-            times, sources, fetched, blob = [], Counter(), 0, os.urandom(size)
+            times, sources, fetched = [], Counter(), 0
+            words = np.frombuffer(os.urandom(size), "<u2").copy()
             for v in range(VERSIONS + 1):
-                blob = blob if v == 0 else small_step(blob, share)
-                (data / "w").write_bytes(blob)
-                trainer.publish(v, data / "w")
+                words = words if v == 0 else small_step(words, share, v)
+                weights(words, data / "w.safetensors")
+                trainer.publish(v, data / "w.safetensors")
                 t0 = time.time()
                 for f in fetchers:
                     f.stdin.write(f"go {v}\n")
