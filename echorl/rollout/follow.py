@@ -10,7 +10,6 @@ says: itself, or a peer already holding or fetching the version (echorl/rollout/
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -90,13 +89,11 @@ class WeightFollower:
         peers (while they arrive, and after) if this sampler serves them. A `full` version
         comes as a delta against the one held where the broker has one."""
         big = info.size_bytes > IN_MEMORY_BYTES  # streamed to disk (resumable), then mapped
-        if full and (data := self._from_delta(info)) is not None:
-            part = Partial(info.sha256, info.size_bytes)
-            part.write(data)
+        if full and (part := self._from_delta(info)) is not None:
             if self.shelf is not None:
                 self.shelf.put(part)
-            self.base_bytes = data
-            return load(data)
+            self.base_bytes = part.value()
+            return load(self.base_bytes)
         self.downloaded += info.size_bytes
         part = Partial(
             info.sha256, info.size_bytes, self.cache / f"{info.sha256}.part" if big else None
@@ -122,10 +119,10 @@ class WeightFollower:
             part.path.unlink()  # else the shelf deletes it when the version goes
         return weights
 
-    def _from_delta(self, info: WeightVersion) -> bytes | None:
-        """`info`'s bytes from the held full version and the broker's delta, or None where
-        there is no delta for it, or it does not reproduce `info`'s sha256 (then the whole
-        version is fetched)."""
+    def _from_delta(self, info: WeightVersion) -> Partial | None:
+        """`info`'s bytes, whole, from the held full version and the broker's delta; None
+        where there is no delta for it, or it does not reproduce `info`'s sha256 (then the
+        whole version is fetched)."""
         if info.delta_base is None or self.base_bytes is None or self.base is None:
             return None
         if self.base[0] != info.delta_base:
@@ -139,7 +136,9 @@ class WeightFollower:
             )
             return None
         self.downloaded += len(delta)
-        if hashlib.sha256(data).hexdigest() != info.sha256:
+        part = Partial(info.sha256, info.size_bytes)
+        part.write(data)  # hashed on the way in, as every download
+        if not part.whole:
             log.warning(
                 "%s: the delta for version %d does not reproduce it; fetching it whole",
                 self.name,
@@ -147,7 +146,7 @@ class WeightFollower:
             )
             return None
         self.delta_bytes += len(delta)
-        return data
+        return part
 
     def _receive(self, info: WeightVersion, part: Partial) -> None:
         got = obtain(self.client, info, part, self.name)
