@@ -409,7 +409,10 @@ def sampler(
         except BrokerRejected as e:  # refused (registration, revoked, quarantined): final
             console.print(f"[red]{name}: the broker refused this sampler:[/red] {escape(e.reason)}")
             raise typer.Exit(2) from None
-    console.print(f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused)")
+    console.print(
+        f"{name}: stopped after {worker.pushed} groups ({worker.rejected} refused, "
+        f"{worker.cancelled_jobs} cancelled)"
+    )
 
 
 def _sampler_backend(cfg: RunConfig):

@@ -196,9 +196,9 @@ class Sampler:
         self.cancelled_jobs += len(jobs)
         self.wasted_tokens += tokens
         log.info(
-            "%s: %d jobs for version %s cancelled (a newer version is out); %d tokens dropped",
+            "%s: jobs %s for version %s cancelled (a newer version is out); %d tokens dropped",
             self.name,
-            len(jobs),
+            ", ".join(str(job.job_id) for job in jobs),
             required,
             tokens,
         )

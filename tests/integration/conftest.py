@@ -64,10 +64,12 @@ def start_broker(data_dir, port, *overrides):
     raise AssertionError("broker did not start")
 
 
-def start_sampler(url, model, name, *args):
-    """Start `echorl sampler` against `url` with one torch thread; returns the process."""
+def start_sampler(url, model, name, *args, inside=()):
+    """Start `echorl sampler` against `url` with one torch thread; returns the process.
+    `inside`: a command prefix it runs under (e.g. a network namespace's `ip netns exec`)."""
     env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
     cmd = [
+        *inside,
         sys.executable,
         "-m",
         "echorl.cli",
