@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import random
 import threading
@@ -152,17 +153,17 @@ def main() -> None:
     ap.add_argument("--loss", type=float, default=0.0, help="share of segments lost")
     args = ap.parse_args()
     host, port = args.to.rsplit(":", 1)
-    relay = Relay((host, int(port)), args.delay_ms / 1000, args.loss, host=args.host, port=args.port)
+    relay = Relay(
+        (host, int(port)), args.delay_ms / 1000, args.loss, host=args.host, port=args.port
+    )
     with relay:
         print(
             f"relaying {args.host}:{relay.port} -> {args.to}: {args.delay_ms:g} ms each way, "
             f"{args.loss:.1%} of segments lost (SIMULATED in user space); Ctrl-C stops",
             flush=True,
         )
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()
-        except KeyboardInterrupt:
-            pass
     print(relay.counts)
 
 

@@ -67,7 +67,10 @@ def iter_recv(s):
 
 
 def test_every_byte_arrives_in_order_late_by_the_delay_and_the_losses(echo):
-    with Relay(echo, delay_s=0.04) as relay, socket.create_connection(("127.0.0.1", relay.port)) as s:
+    with (
+        Relay(echo, delay_s=0.04) as relay,
+        socket.create_connection(("127.0.0.1", relay.port)) as s,
+    ):
         t0 = time.monotonic()
         s.sendall(b"x")
         assert s.recv(1) == b"x"
