@@ -59,7 +59,8 @@ def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
     was whole (and from whom); serve peers until stdin closes."""
     identity = {"tokenizer": RunTokenizer.builtin().fingerprint, "task": "add"}
     server = PeerServer(Shelf()).__enter__() if serve else None
-    held: tuple[int, bytes] | None = None
+    held: tuple[int, bytes, str] | None = None
+    took = None  # the last whole download's time from its source: told with the next ask
     with BrokerClient(url, SAMPLER, timeout=30) as client:
         peer_url = server.url(reachable_host(url)) if server else None
         terms = client.join(SamplerInfo(name=name, **identity, peer_url=peer_url))
@@ -77,10 +78,14 @@ def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
                 part.write(apply_delta(held[1], patch))
                 source, fetched = "delta", len(patch)
             else:
-                got = obtain(client, info, part, name)
+                if took and server:  # how fast it passed the last one on (as a sampler)
+                    rate = server.shelf.served_rate(held[2])
+                    took = took.model_copy(update={"served": rate})
+                got = obtain(client, info, part, name, took)
+                took = got.took
                 source, fetched = "peer" if got.peer else "broker", info.size_bytes
             assert part.whole
-            held = (version, part.value())
+            held = (version, part.value(), info.sha256)
             print(json.dumps({"done": time.time(), "source": source, "bytes": fetched}))
             sys.stdout.flush()
 
@@ -100,7 +105,7 @@ def small_step(words: np.ndarray, share: float, seed: int) -> np.ndarray:
 
 
 def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float):
-    """Mean seconds for versions 1..VERSIONS (each a small step from the last; v0, fetched
+    """Seconds for each of versions 1..VERSIONS (each a small step from the last; v0, fetched
     whole by all first, is not timed) to reach all `k` fetchers, and where they came from."""
     port = 18000 + k * 10 + fanout + 5 * delta
     data = Path(f"/tmp/echorl-fanout-{os.getpid()}-{k}-{fanout}-{delta}")
@@ -153,7 +158,7 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
         broker.wait(30)
         subprocess.run(["rm", "-rf", str(data)])
     share = fetched / (VERSIONS * k * size)  # bytes a sampler fetched per version, of W
-    return sum(times) / len(times), {s: n / VERSIONS for s, n in sources.items()}, share
+    return times, {s: n / VERSIONS for s, n in sources.items()}, share
 
 
 def tree_depth(k: int, fanout: int) -> int:
@@ -234,19 +239,23 @@ def sweep(
     sampler_mbit: float,
     step_share: float,
     console: Console,
+    slow_uplink: float | None = None,
 ) -> list[dict]:
-    """One row per K and (fan-out, delta) configuration; needs root (`unavailable()`)."""
+    """One row per K and (fan-out, delta) configuration; needs root (`unavailable()`).
+    `slow_uplink`: the first sampler sends at this many Mbit/s only (a home line): a poor
+    peer to pass a version on."""
     size = int(size_mb * (1 << 20))
     bits = size * 8 / 1e6  # Mbit
     rows = []
     with Net(broker_mbit=broker_mbit) as net:
         for k in range(max(ks)):
-            net.add(f"f{k}", mbit=sampler_mbit)
+            net.add(f"f{k}", mbit=sampler_mbit, up_mbit=slow_uplink if k == 0 else None)
         for k in ks:
             for fanout, delta in configs:
                 if fanout and k == 1 and not delta:
                     continue  # nobody to pass it on to
-                seconds, sources, share = measure(net, k, fanout, delta, size, step_share)
+                times, sources, share = measure(net, k, fanout, delta, size, step_share)
+                seconds = sum(times) / len(times)
                 label = "broker" if not fanout else f"peers, fan-out {fanout}"
                 rows.append(
                     {
@@ -255,11 +264,13 @@ def sweep(
                         "fanout": fanout,
                         "delta": delta,
                         "seconds_to_all": round(seconds, 2),
+                        "seconds_per_version": [round(t, 2) for t in times],
                         "lower_bound_s": round(bits / min(broker_mbit, sampler_mbit), 2),
                         "broker_alone_bound_s": round(
                             max(k * bits / broker_mbit, bits / sampler_mbit), 2
                         ),
                         "tree_depth": tree_depth(k, fanout),
+                        "slow_uplink_mbit": slow_uplink,
                         "sources_per_version": sources,
                         "bytes_per_version_share": round(share, 4),
                     }
@@ -282,6 +293,9 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=8.0, help="bytes of a version (W)")
     ap.add_argument("--broker-mbit", type=float, default=50.0)
     ap.add_argument("--sampler-mbit", type=float, default=50.0)
+    ap.add_argument(
+        "--slow-uplink", type=float, help="Mbit/s the first sampler sends at (default: as fast)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fanout.json")
     args = ap.parse_args()
     if args.fetcher:
@@ -292,10 +306,11 @@ def main() -> None:
         raise SystemExit(2)
     configs = [(f, False) for f in args.fanout] + [(f, True) for f in args.delta_fanout]
     rows = sweep(args.k, configs, args.size_mb, args.broker_mbit, args.sampler_mbit,
-                 args.step_share, console)  # fmt: skip
+                 args.step_share, console, args.slow_uplink)  # fmt: skip
+    slow = f", one sending at {args.slow_uplink:g}" if args.slow_uplink else ""
     title = (
         f"a {args.size_mb:g} MB version to every sampler: broker {args.broker_mbit:g} "
-        f"Mbit/s, samplers {args.sampler_mbit:g} Mbit/s each (tc tbf, network namespaces)"
+        f"Mbit/s, samplers {args.sampler_mbit:g} Mbit/s each{slow} (tc tbf, network namespaces)"
     )
     table = render(rows, title)
     console.print(table)
@@ -307,6 +322,7 @@ def main() -> None:
                 "size_mb": args.size_mb,
                 "broker_mbit": args.broker_mbit,
                 "sampler_mbit": args.sampler_mbit,
+                "slow_uplink_mbit": args.slow_uplink,
                 "rows": rows,
             },
             indent=1,

@@ -103,9 +103,10 @@ class Net:
             raise
         return self
 
-    def add(self, name: str, mbit: float | None = None) -> Link:
+    def add(self, name: str, mbit: float | None = None, up_mbit: float | None = None) -> Link:
         """A namespace for one sampler, on the hub at `SUBNET.(10 + k)`, its link limited to
-        `mbit` Mbit/s each way (None: as fast as the machine)."""
+        `mbit` Mbit/s each way (None: as fast as the machine), or to `up_mbit` for what it
+        sends (a home line's slow uplink)."""
         k = len(self.links)
         ns, dev, peer = f"{self.tag}-{name}", f"{self.tag}s{k}", f"{self.tag}h{k}"
         ip = f"{SUBNET}.{10 + k}"
@@ -123,7 +124,8 @@ class Net:
             sh(*link.exec(*cmd))
         if mbit:
             shape(self.hub, peer, mbit)  # to the sampler: its downloads
-            shape(ns, dev, mbit)  # from it: its pushes
+        if up_mbit or mbit:
+            shape(ns, dev, up_mbit or mbit)  # from it: its pushes, what it serves peers
         return link
 
     def _plug(self, dev: str) -> None:

@@ -57,6 +57,7 @@ from echorl.protocol import (
     ScoredGroup,
     SourceRequest,
     StatusReply,
+    Took,
     TrainerHello,
     WeightSource,
     WeightVersion,
@@ -261,10 +262,13 @@ class BrokerClient:
             self._request("GET", f"/v1/versions/{version}").content
         )
 
-    def source(self, version: int, failed: str | None = None) -> WeightSource:
+    def source(
+        self, version: int, failed: str | None = None, took: Took | None = None
+    ) -> WeightSource:
         """Where to fetch `version`: a peer (its url and the broker's ticket for it) or the
-        broker itself (url None). `failed`: the peer named last time, which did not deliver."""
-        body = SourceRequest(failed=failed)
+        broker itself (url None). `failed`: the peer named last time, which did not deliver;
+        `took`: how long the last version took from the source named for it."""
+        body = SourceRequest(failed=failed, took=took)
         return self._post(f"/v1/versions/{version}/source", body, WeightSource)
 
     def receive(self, info: WeightVersion, into: Partial, source: WeightSource | None = None):

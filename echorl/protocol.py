@@ -523,6 +523,20 @@ class HeartbeatRequest(_Wire):
 MAX_WAIT_S = 10.0
 
 
+class Took(_Wire):
+    """How long a version took to arrive whole from the source the broker named for it."""
+
+    version: int = Field(ge=0)
+    seconds: float = Field(gt=0, le=86_400)
+    served: float | None = Field(
+        None,
+        ge=0,
+        le=1e12,
+        description="bytes/s this sampler passed that version on to its peers at, all of "
+        "them together (None: it served nobody)",
+    )
+
+
 class SourceRequest(_Wire):
     """sampler -> broker: where do I fetch this version?"""
 
@@ -531,6 +545,11 @@ class SourceRequest(_Wire):
         pattern=PEER_URL_PATTERN,
         description="the peer named last time, which did not deliver (no answer, a cut, "
         "wrong bytes): it is not named again for this version",
+    )
+    took: Took | None = Field(
+        None,
+        description="the last version fetched whole from a named source, and its seconds: "
+        "how the broker finds peers too slow to pass versions on (a slow uplink)",
     )
 
 

@@ -8,22 +8,37 @@ down a tree of depth about log_F(K): the broker's uplink carries it F times, not
 
 A peer that failed a sampler (reported with its next ask; a sampler can report only the
 source it was given) is not named again for that version, and once it has failed
-REPORTERS_TO_DROP different samplers, not at all. Kept in memory only: after a broker
+REPORTERS_TO_DROP different samplers, not at all.
+
+A peer that passes versions on slowly (a home line's uplink) would hold up its whole
+subtree: fan-out 2 under one 5 Mbit/s uplink among 50 Mbit/s links took longer than the
+broker alone (bench/fanout.py --slow-uplink). So each sampler tells, with its next ask, how
+long its last version took from the source named for it. A peer whose takers together got
+under SLOW_SHARE of the rate it received at itself is named to nobody for SLOW_VERSIONS
+versions (a leaf: it still fetches), then tried again. A taker's rate is bounded by its
+source's own arrival (bytes pass on as they come), so a slow peer's grandchildren do not
+blame their healthy parents. A sampler can so report only the source named to it; a liar
+can make that one peer a leaf for a while, which costs the broker bandwidth, never weights. Kept in memory only: after a broker
 restart, samplers fetch from the broker until they register again (their peer secrets went
 with it).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections import Counter
 
-from echorl.protocol import WeightSource
+from echorl.protocol import Took, WeightSource
 from echorl.rollout.peers import KEEP, ticket
 
 REPORTERS_TO_DROP = 2  # samplers a peer failed (any versions) before it is never named
 VERSIONS_KEPT = 8  # the trees of this many newest versions are kept
+SLOW_SHARE = 0.5  # a peer's takers together under this share of its own rate: slow
+SLOW_VERSIONS = 4  # versions a slow peer is named to nobody, before it is tried again
+
+log = logging.getLogger("echorl.broker")
 
 BROKER = "@broker"  # the broker's key among a version's sources (no sampler id has an @)
 
@@ -39,6 +54,9 @@ class FanOut:
         self.named_to: dict[tuple[int, str], str] = {}  # (version, asker) -> its source
         self.shunned: dict[int, set[str]] = {}  # version -> peers that failed it
         self.reporters: dict[str, set[str]] = {}  # peer -> the askers it failed
+        self.sizes: dict[int, int] = {}  # version -> bytes
+        self.rate: dict[str, float] = {}  # sampler -> bytes/s its last version arrived at
+        self.slow: dict[str, int] = {}  # peer -> the last version it passed on slowly
         self.named = Counter()  # "broker" / "peer": how often each was named
         self.lock = threading.Lock()
 
@@ -57,17 +75,30 @@ class FanOut:
             url, _ = self.peers.pop(sampler_id, ("", ""))
             self.by_url.pop(url, None)
 
-    def source(self, version: int, sha256: str, asker: str, failed: str | None) -> WeightSource:
-        """Where `asker` fetches `version` (weights `sha256`); it becomes a source of it. Asked
-        again, the same answer (no second place in the tree), unless it reports that source
-        `failed`: only the source named to it counts, so a sampler can shun no other."""
+    def source(
+        self,
+        version: int,
+        sha256: str,
+        asker: str,
+        failed: str | None,
+        size: int = 0,
+        took: Took | None = None,
+    ) -> WeightSource:
+        """Where `asker` fetches `version` (weights `sha256`, `size` bytes); it becomes a
+        source of it. Asked again, the same answer (no second place in the tree), unless it
+        reports that source `failed`: only the source named to it counts, so a sampler can
+        shun no other. `took`: its last version's time from the source named for it."""
         with self.lock:
             if self.degree == 0:
                 return self._name(BROKER, sha256)
             for old in [v for v in self.sources if v <= version - VERSIONS_KEPT]:
                 del self.sources[old]
+                self.sizes.pop(old, None)
                 self.shunned.pop(old, None)
                 self.named_to = {k: s for k, s in self.named_to.items() if k[0] != old}
+            self.sizes[version] = size
+            if took is not None:
+                self._took(asker, took)
             sources = self.sources.setdefault(version, {BROKER: [0, 0]})  # [takers, depth]
             before = self.named_to.get((version, asker))
             if before is not None:
@@ -90,6 +121,7 @@ class FanOut:
                     and s in self.peers
                     and s not in shunned
                     and len(self.reporters.get(s, ())) < REPORTERS_TO_DROP
+                    and self.slow.get(s, -SLOW_VERSIONS) <= version - SLOW_VERSIONS
                 )
             ]
             # Breadth first: the shallowest source with room (the broker first), so the tree
@@ -100,6 +132,41 @@ class FanOut:
             if asker in self.peers and asker not in sources:
                 sources[asker] = [0, sources[chosen][1] + 1]
             return self._name(chosen, sha256)
+
+    def _took(self, asker: str, took: Took) -> None:
+        """`asker` received `took.version` in `took.seconds` from the source named for it and
+        passed it on at `took.served`: its own rate, and verdicts on it and on its source."""
+        source = self.named_to.get((took.version, asker))
+        if source is None or not self.sizes.get(took.version):
+            return  # not named by this broker (or forgotten): nothing to judge
+        rate = self.sizes[took.version] / took.seconds
+        self.rate[asker] = rate
+        served_by = self.sources[took.version]
+        # Its own word: it passed the version on slower than it got it (timely: told before
+        # it takes a place in the next version's tree).
+        told = took.served
+        if told is not None and served_by.get(asker, [0])[0] and told < SLOW_SHARE * rate:
+            self._slow(asker, took.version, told, rate)
+        # Its source's takers' word (a peer that claims to be fast is found out by them): a
+        # taker gets at most what its source receives, so its own takers do not blame it.
+        own = self.rate.get(source)
+        if source != BROKER and own is not None:
+            takers = served_by[source][0]
+            if rate * takers < SLOW_SHARE * own:
+                self._slow(source, took.version, rate * takers, own)
+
+    def _slow(self, peer: str, version: int, served: float, own: float) -> None:
+        if self.slow.get(peer, -1) < version:
+            self.slow[peer] = version
+            log.info(
+                "peer %s passed version %d on at %.1f MB/s (it got it at %.1f): named to "
+                "nobody for %d versions",
+                peer,
+                version,
+                served / 1e6,
+                own / 1e6,
+                SLOW_VERSIONS,
+            )
 
     def _name(self, source: str, sha256: str) -> WeightSource:
         if source == BROKER or source not in self.peers:

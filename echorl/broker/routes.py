@@ -434,7 +434,7 @@ def source(
     """Where this sampler fetches `version`: the broker or a peer (broker/fanout.py)."""
     info = st.weights.describe(version)  # 404 for a version not stored
     asker = caller.sampler_id or "@trainer"  # an auditor: the trainer's token
-    return st.fanout.source(version, info.sha256, asker, body.failed)
+    return st.fanout.source(version, info.sha256, asker, body.failed, info.size_bytes, body.took)
 
 
 class WeightsResponse(FileResponse):

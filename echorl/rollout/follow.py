@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load, load_file
 
 from echorl.client import BrokerClient, BrokerError
-from echorl.protocol import WeightVersion
+from echorl.protocol import Took, WeightVersion
 from echorl.rollout.backend import Backend
 from echorl.rollout.peers import Shelf, obtain
 from echorl.transfer import Partial, apply_delta
@@ -48,6 +48,9 @@ class WeightFollower:
         self.delta_bytes = 0  # of them, bytes of deltas
         self.from_peers = 0  # of them, bytes from peers
         self.peer_failures = 0  # peers that did not deliver
+        # The last whole download's time from its source, and that version's sha256: told
+        # with the next ask, with how fast this sampler passed it on (if it serves peers).
+        self.took: tuple[Took, str] | None = None
         cache.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -148,7 +151,18 @@ class WeightFollower:
         self.delta_bytes += len(delta)
         return part
 
+    def report(self) -> Took | None:
+        """What the broker hears with the next ask: how long the last version took from its
+        source, and how fast this sampler passed it on to peers (broker/fanout.py)."""
+        if self.took is None:
+            return None
+        took, sha256 = self.took
+        if self.shelf is None:
+            return took
+        return took.model_copy(update={"served": self.shelf.served_rate(sha256)})
+
     def _receive(self, info: WeightVersion, part: Partial) -> None:
-        got = obtain(self.client, info, part, self.name)
+        got = obtain(self.client, info, part, self.name, self.report())
+        self.took = (got.took, info.sha256)
         self.from_peers += info.size_bytes if got.peer else 0
         self.peer_failures += got.failures

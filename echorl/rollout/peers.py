@@ -22,12 +22,13 @@ import logging
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from echorl.client import BrokerClient, BrokerError
-from echorl.protocol import WeightVersion
+from echorl.protocol import Took, WeightVersion
 from echorl.transfer import Partial
 
 log = logging.getLogger("echorl.peers")
@@ -41,20 +42,26 @@ PEER_TRIES = 3  # peers tried for one version before the broker
 class Obtained:
     peer: str | None  # the peer that delivered, or None: the broker did
     failures: int  # peers that did not
+    took: Took  # how long the source that delivered took: told to the broker with the next ask
 
 
-def obtain(client: BrokerClient, info: WeightVersion, part: Partial, name: str) -> Obtained:
+def obtain(
+    client: BrokerClient, info: WeightVersion, part: Partial, name: str, took: Took | None = None
+) -> Obtained:
     """`info`'s bytes into `part`, from the source the broker names (a peer, with a ticket,
     or itself), trying up to PEER_TRIES peers, each failure reported with the next ask; from
-    the broker once it names itself or they all failed."""
+    the broker once it names itself or they all failed. `took`: the last version's time from
+    its source, reported with the first ask (how the broker finds slow peers)."""
     failed, failures = None, 0
     for _ in range(PEER_TRIES):
-        source = client.source(info.version, failed)
+        source = client.source(info.version, failed, took)
+        took = None
         if source.url is None:
             break
+        t0 = time.perf_counter()
         try:
             client.receive(info, part, source)
-            return Obtained(source.url, failures)
+            return Obtained(source.url, failures, timed(info.version, t0))
         except BrokerError as e:  # no answer, a cut, wrong bytes
             log.warning(
                 "%s: peer %s did not deliver version %d (%s); asking the broker again",
@@ -65,8 +72,13 @@ def obtain(client: BrokerClient, info: WeightVersion, part: Partial, name: str) 
             )
             failed, failures = source.url, failures + 1
             part.restart()
+    t0 = time.perf_counter()
     client.receive(info, part)
-    return Obtained(None, failures)
+    return Obtained(None, failures, timed(info.version, t0))
+
+
+def timed(version: int, t0: float) -> Took:
+    return Took(version=version, seconds=max(time.perf_counter() - t0, 1e-6))
 
 
 def ticket(secret: str, sha256: str) -> str:
@@ -80,6 +92,8 @@ class Shelf:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
         self.parts: dict[str, Partial] = {}
+        # sha256 -> bytes sent to peers, and the (start, end) of each read
+        self.serving: dict[str, tuple[int, list[tuple[float, float]]]] = {}
         self.lock = threading.Lock()
 
     def put(self, part: Partial) -> None:
@@ -88,6 +102,8 @@ class Shelf:
             self.parts[part.sha256] = part
             while len(self.parts) > self.keep:  # the oldest goes (dicts keep insertion order)
                 gone.append(self.parts.pop(next(iter(self.parts))))
+            for sha256 in [s for s in self.serving if s not in self.parts]:
+                del self.serving[sha256]
         for old in gone:
             if old is not None and old.path is not None and old.path != part.path:
                 old.path.unlink(missing_ok=True)
@@ -101,6 +117,24 @@ class Shelf:
     def get(self, sha256: str) -> Partial | None:
         with self.lock:
             return self.parts.get(sha256)
+
+    def served(self, sha256: str, start: float, end: float, sent: int) -> None:
+        """A peer read `sent` bytes of `sha256` from `start` to `end` (time.monotonic)."""
+        with self.lock:
+            if sha256 in self.parts:
+                total, reads = self.serving.get(sha256, (0, []))
+                self.serving[sha256] = (total + sent, [*reads, (start, end)])
+
+    def served_rate(self, sha256: str) -> float | None:
+        """Bytes/s `sha256` went out to peers while any was reading, all of them together
+        (a late reader does not count the wait before it); None: it went to nobody."""
+        with self.lock:
+            sent, reads = self.serving.get(sha256, (0, []))
+        busy, until = 0.0, float("-inf")
+        for start, end in sorted(reads):
+            busy += max(0.0, end - max(start, until))
+            until = max(until, end)
+        return sent / busy if sent and busy > 0 else None
 
 
 RANGE = re.compile(r"bytes=(\d+)-$")
@@ -126,6 +160,7 @@ class PeerServer:
         self.shelf = shelf
         self.secret: str | None = None  # the broker's, given at registration
         self.served = 0  # bytes sent to peers
+        self.lock = threading.Lock()  # for `served`, added to by every serving thread
         self.http = ThreadingHTTPServer((host, port), Handler)
         self.http.daemon_threads = True
         self.port = self.http.server_address[1]
@@ -154,7 +189,7 @@ class PeerServer:
         if start:
             req.send_header("Content-Range", f"bytes {start}-{part.size - 1}/{part.size}")
         req.end_headers()
-        sent, generation = start, part.generation
+        sent, generation, t0 = start, part.generation, time.monotonic()
         try:
             while sent < part.size:
                 chunk = part.read(sent, CHUNK, generation)
@@ -165,7 +200,9 @@ class PeerServer:
         except OSError:  # the reader went away
             pass
         finally:
-            self.served += sent - start
+            self.shelf.served(part.sha256, t0, time.monotonic(), sent - start)
+            with self.lock:
+                self.served += sent - start
             if sent < part.size:
                 req.close_connection = True
 

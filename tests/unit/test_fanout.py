@@ -1,7 +1,10 @@
 """Who fetches a weight version from whom (broker/fanout.py): a breadth-first tree of the
 broker's fan-out, peers that fail shunned, and nothing but the broker at fan-out 0."""
 
-from echorl.broker.fanout import FanOut
+import pytest
+
+from echorl.broker.fanout import SLOW_VERSIONS, FanOut
+from echorl.protocol import Took
 from echorl.rollout.peers import ticket
 
 SHA = "ab" * 32
@@ -13,12 +16,12 @@ def swarm(degree: int, n: int) -> tuple[FanOut, dict[str, str]]:
     return fan, secrets
 
 
-def sources(fan: FanOut, askers: list[str]) -> dict[str, str]:
-    """Each asker's source: 'broker' or the peer's id."""
+def sources(fan: FanOut, askers: list[str], size: int = 0) -> dict[str, str]:
+    """Each asker's source of v0 (`size` bytes): 'broker' or the peer's id."""
     by_url = {url: sid for sid, (url, _) in fan.peers.items()}
     got = {}
     for asker in askers:
-        s = fan.source(0, SHA, asker, None)
+        s = fan.source(0, SHA, asker, None, size)
         got[asker] = "broker" if s.url is None else by_url[s.url]
     return got
 
@@ -74,3 +77,69 @@ def test_fanout_zero_is_the_broker_alone_and_a_sampler_that_left_is_not_named():
     fan.source(0, SHA, "s0", None)
     fan.forget("s0")
     assert fan.source(0, SHA, "s1", None).url is None
+
+
+def test_a_peer_that_passes_versions_on_slowly_is_a_leaf_for_a_while():
+    """p's uplink is slow: its two takers each got v0 at a twentieth of p's own rate, so
+    from their next asks p is named to nobody for SLOW_VERSIONS versions, then tried again.
+    A taker of p's taker, as slow as its parent, does not blame it."""
+    fan = FanOut(2)
+    for sid in ("p", "q", "a", "b", "c", "d", "e"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    size = 10 << 20
+    got = sources(fan, ["p", "q", "a", "b", "c", "d", "e"], size)
+    assert got == {"p": "broker", "q": "broker", "a": "p", "b": "q", "c": "p", "d": "q", "e": "a"}
+
+    def ask(v, sid, seconds):
+        return fan.source(v, SHA, sid, None, size, Took(version=v - 1, seconds=seconds))
+
+    assert ask(1, "p", 1.0).url is None  # p got v0 from the broker at 10 MiB/s
+    ask(1, "q", 1.0)
+    ask(1, "a", 20.0)  # 0.5 MiB/s from p, to each of two takers: 1 of p's 10
+    assert fan.slow == {"p": 0}
+    ask(1, "e", 20.0)  # as slow as a, its source, which passed on all it got: not to blame
+    ask(1, "b", 1.2)  # q's takers: fine
+    assert fan.slow == {"p": 0}
+    for v in range(1, SLOW_VERSIONS):
+        named = {fan.source(v, SHA, s, None, size).url for s in "pqabcde"}
+        assert "http://p.peer:9000" not in named, v  # a leaf: it serves nobody
+    v = SLOW_VERSIONS
+    named = {fan.source(v, SHA, s, None, size).url for s in "pqabcde"}
+    assert "http://p.peer:9000" in named  # tried again once the while is over
+
+
+def test_reports_about_sources_never_named_are_ignored():
+    fan = FanOut(1)
+    fan.join("p", "http://p.peer:9000")
+    fan.join("a", "http://a.peer:9000")
+    fan.source(0, SHA, "p", None, 100)
+    fan.source(1, SHA, "a", None, 100, Took(version=0, seconds=1e4))  # a fetched no v0 here
+    fan.source(1, SHA, "p", None, 100, Took(version=7, seconds=1e4))  # nor p a v7
+    assert fan.slow == {} and set(fan.rate) == set()
+
+
+def test_a_peer_that_says_it_passed_a_version_on_slowly_serves_nobody_next():
+    """Its own word comes with its own ask, before it takes a place in the next tree."""
+    fan = FanOut(1)
+    for sid in ("p", "a", "b"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    sources(fan, ["p", "a"], 1000)  # the broker serves p, p serves a
+    fan.source(1, SHA, "p", None, 1000, Took(version=0, seconds=1.0, served=100.0))
+    assert fan.slow == {"p": 0}  # it passed on 100 B/s of the 1000 B/s it got
+    assert fan.source(1, SHA, "b", None, 1000).url is None  # not p: the broker, p being full
+    fan.source(2, SHA, "a", None, 1000, Took(version=0, seconds=1.0, served=None))
+    assert fan.slow == {"p": 0}  # a served nobody: no word on itself
+
+
+def test_a_shelf_times_its_peers_reads_while_any_is_reading():
+    from echorl.rollout.peers import Shelf
+    from echorl.transfer import Partial
+
+    shelf = Shelf()
+    assert shelf.served_rate(SHA) is None
+    shelf.served(SHA, 0.0, 1.0, 100)  # not on the shelf: not counted
+    shelf.put(Partial(SHA, 100))
+    shelf.served(SHA, 0.0, 1.0, 100)
+    shelf.served(SHA, 0.5, 1.0, 50)  # alongside the first
+    shelf.served(SHA, 9.0, 10.0, 100)  # much later: the idle 8 s do not count
+    assert shelf.served_rate(SHA) == pytest.approx(250 / 2.0)
