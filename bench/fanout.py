@@ -50,7 +50,6 @@ from echorl.rollout.peers import PeerServer, Shelf, obtain, reachable_host  # no
 from echorl.transfer import Partial, apply_delta  # noqa: E402
 
 TRAINER, SAMPLER = "fanout-trainer", "fanout-sampler"
-VERSIONS = 2  # versions timed per configuration (after v0); the mean is reported
 
 
 def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
@@ -104,8 +103,8 @@ def small_step(words: np.ndarray, share: float, seed: int) -> np.ndarray:
     return out
 
 
-def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float):
-    """Seconds for each of versions 1..VERSIONS (each a small step from the last; v0, fetched
+def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float, versions: int):
+    """Seconds for each of versions 1..`versions` (each a small step from the last; v0, fetched
     whole by all first, is not timed) to reach all `k` fetchers, and where they came from."""
     port = 18000 + k * 10 + fanout + 5 * delta
     data = Path(f"/tmp/echorl-fanout-{os.getpid()}-{k}-{fanout}-{delta}")
@@ -137,7 +136,7 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
                 assert f.stdout.readline().strip() == "ready"
             times, sources, fetched = [], Counter(), 0
             words = np.frombuffer(os.urandom(size), "<u2").copy()
-            for v in range(VERSIONS + 1):
+            for v in range(versions + 1):
                 words = words if v == 0 else small_step(words, share, v)
                 weights(words, data / "w.safetensors")
                 trainer.publish(v, data / "w.safetensors")
@@ -157,8 +156,8 @@ def measure(net: Net, k: int, fanout: int, delta: bool, size: int, share: float)
         broker.terminate()
         broker.wait(30)
         subprocess.run(["rm", "-rf", str(data)])
-    share = fetched / (VERSIONS * k * size)  # bytes a sampler fetched per version, of W
-    return times, {s: n / VERSIONS for s, n in sources.items()}, share
+    share = fetched / (versions * k * size)  # bytes a sampler fetched per version, of W
+    return times, {s: n / versions for s, n in sources.items()}, share
 
 
 def tree_depth(k: int, fanout: int) -> int:
@@ -240,6 +239,7 @@ def sweep(
     step_share: float,
     console: Console,
     slow_uplink: float | None = None,
+    versions: int = 2,
 ) -> list[dict]:
     """One row per K and (fan-out, delta) configuration; needs root (`unavailable()`).
     `slow_uplink`: the first sampler sends at this many Mbit/s only (a home line): a poor
@@ -254,7 +254,7 @@ def sweep(
             for fanout, delta in configs:
                 if fanout and k == 1 and not delta:
                     continue  # nobody to pass it on to
-                times, sources, share = measure(net, k, fanout, delta, size, step_share)
+                times, sources, share = measure(net, k, fanout, delta, size, step_share, versions)
                 seconds = sum(times) / len(times)
                 label = "broker" if not fanout else f"peers, fan-out {fanout}"
                 rows.append(
@@ -290,6 +290,7 @@ def main() -> None:
     )
     ap.add_argument("--step-share", type=float, default=0.03, help="16-bit words a version changes")
     ap.add_argument("--delta", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--versions", type=int, default=2, help="versions timed (after v0)")
     ap.add_argument("--size-mb", type=float, default=8.0, help="bytes of a version (W)")
     ap.add_argument("--broker-mbit", type=float, default=50.0)
     ap.add_argument("--sampler-mbit", type=float, default=50.0)
@@ -306,7 +307,7 @@ def main() -> None:
         raise SystemExit(2)
     configs = [(f, False) for f in args.fanout] + [(f, True) for f in args.delta_fanout]
     rows = sweep(args.k, configs, args.size_mb, args.broker_mbit, args.sampler_mbit,
-                 args.step_share, console, args.slow_uplink)  # fmt: skip
+                 args.step_share, console, args.slow_uplink, args.versions)  # fmt: skip
     slow = f", one sending at {args.slow_uplink:g}" if args.slow_uplink else ""
     title = (
         f"a {args.size_mb:g} MB version to every sampler: broker {args.broker_mbit:g} "
@@ -323,6 +324,7 @@ def main() -> None:
                 "broker_mbit": args.broker_mbit,
                 "sampler_mbit": args.sampler_mbit,
                 "slow_uplink_mbit": args.slow_uplink,
+                "versions": args.versions,
                 "rows": rows,
             },
             indent=1,

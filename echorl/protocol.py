@@ -558,7 +558,7 @@ class WeightSource(_Wire):
     url None, from the broker (`GET /v1/weights/{version}`)."""
 
     url: str | None = Field(None, pattern=PEER_URL_PATTERN)
-    ticket: str | None = Field(None, pattern=SHA256_PATTERN)
+    ticket: str | None = Field(None, pattern=r"^[0-9]{1,12}\.[0-9a-f]{64}$")
 
 
 class LeaseRequest(HeartbeatRequest):

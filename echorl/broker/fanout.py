@@ -15,7 +15,9 @@ subtree: fan-out 2 under one 5 Mbit/s uplink among 50 Mbit/s links took longer t
 broker alone (bench/fanout.py --slow-uplink). So each sampler tells, with its next ask, how
 long its last version took from the source named for it. A peer whose takers together got
 under SLOW_SHARE of the rate it received at itself is named to nobody for SLOW_VERSIONS
-versions (a leaf: it still fetches), then tried again. A taker's rate is bounded by its
+versions (a leaf: it still fetches), then tried again; found slow again, for twice as
+long (up to SLOW_MAX_VERSIONS). The first version a slow peer passes on is slow for its
+takers: its speed is learned from that. A taker's rate is bounded by its
 source's own arrival (bytes pass on as they come), so a slow peer's grandchildren do not
 blame their healthy parents. A sampler can so report only the source named to it; a liar
 can make that one peer a leaf for a while, which costs the broker bandwidth, never weights. Kept in memory only: after a broker
@@ -36,7 +38,8 @@ from echorl.rollout.peers import KEEP, ticket
 REPORTERS_TO_DROP = 2  # samplers a peer failed (any versions) before it is never named
 VERSIONS_KEPT = 8  # the trees of this many newest versions are kept
 SLOW_SHARE = 0.5  # a peer's takers together under this share of its own rate: slow
-SLOW_VERSIONS = 4  # versions a slow peer is named to nobody, before it is tried again
+SLOW_VERSIONS = 4  # versions a slow peer is named to nobody, before it is tried again ...
+SLOW_MAX_VERSIONS = 64  # ... doubled each time it is found slow again, up to this
 
 log = logging.getLogger("echorl.broker")
 
@@ -56,7 +59,8 @@ class FanOut:
         self.reporters: dict[str, set[str]] = {}  # peer -> the askers it failed
         self.sizes: dict[int, int] = {}  # version -> bytes
         self.rate: dict[str, float] = {}  # sampler -> bytes/s its last version arrived at
-        self.slow: dict[str, int] = {}  # peer -> the last version it passed on slowly
+        # peer -> (the last version it passed on slowly, versions it is a leaf for from then)
+        self.slow: dict[str, tuple[int, int]] = {}
         self.named = Counter()  # "broker" / "peer": how often each was named
         self.lock = threading.Lock()
 
@@ -121,7 +125,7 @@ class FanOut:
                     and s in self.peers
                     and s not in shunned
                     and len(self.reporters.get(s, ())) < REPORTERS_TO_DROP
-                    and self.slow.get(s, -SLOW_VERSIONS) <= version - SLOW_VERSIONS
+                    and sum(self.slow.get(s, (-1, 0))) <= version
                 )
             ]
             # Breadth first: the shallowest source with room (the broker first), so the tree
@@ -156,8 +160,10 @@ class FanOut:
                 self._slow(source, took.version, rate * takers, own)
 
     def _slow(self, peer: str, version: int, served: float, own: float) -> None:
-        if self.slow.get(peer, -1) < version:
-            self.slow[peer] = version
+        last, leaf_for = self.slow.get(peer, (-1, 0))
+        if last < version:
+            leaf_for = min(2 * leaf_for, SLOW_MAX_VERSIONS) if leaf_for else SLOW_VERSIONS
+            self.slow[peer] = (version, leaf_for)
             log.info(
                 "peer %s passed version %d on at %.1f MB/s (it got it at %.1f): named to "
                 "nobody for %d versions",
@@ -165,7 +171,7 @@ class FanOut:
                 version,
                 served / 1e6,
                 own / 1e6,
-                SLOW_VERSIONS,
+                leaf_for,
             )
 
     def _name(self, source: str, sha256: str) -> WeightSource:

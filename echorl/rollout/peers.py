@@ -11,7 +11,8 @@ Nothing a peer sends is trusted: the bytes are checked against the sha256 the br
 and any failure (no answer, a cut, a wrong hash) sends the sampler to the broker, with the
 peer reported so that it is not named again for that version. A peer serves only a caller
 holding a ticket from the broker for that sha256 (an HMAC under the secret the broker gave
-the peer at registration), so the weights go nowhere the broker did not send them.
+the peer at registration, with an expiry: TICKET_S), so the weights go nowhere the broker
+did not send them, and a ticket passed on outlives its purpose by an hour at most.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ log = logging.getLogger("echorl.peers")
 CHUNK = 1 << 20  # bytes per write to a peer
 KEEP = 2  # versions a sampler keeps to serve: the one it holds and the one arriving
 PEER_TRIES = 3  # peers tried for one version before the broker
+MAX_READERS = 16  # connections a sampler serves at once (a version goes to peer_fanout)
+TICKET_S = 3600  # a ticket admits its holder for this long (a big version's resumed reads)
 
 
 @dataclass
@@ -81,9 +84,20 @@ def timed(version: int, t0: float) -> Took:
     return Took(version=version, seconds=max(time.perf_counter() - t0, 1e-6))
 
 
-def ticket(secret: str, sha256: str) -> str:
-    """What a peer with `secret` accepts as leave to read the version with `sha256`."""
-    return hmac.new(secret.encode(), sha256.encode(), hashlib.sha256).hexdigest()
+def ticket(secret: str, sha256: str, expires: int | None = None) -> str:
+    """What a peer with `secret` accepts as leave to read the version with `sha256` until
+    `expires` (unix seconds; default TICKET_S from now): `EXPIRES.HMAC`."""
+    expires = int(time.time() + TICKET_S) if expires is None else expires
+    mac = hmac.new(secret.encode(), f"{sha256}:{expires}".encode(), hashlib.sha256)
+    return f"{expires}.{mac.hexdigest()}"
+
+
+def admits(secret: str | None, sha256: str, given: str) -> bool:
+    """`given` is the broker's ticket for `sha256` under `secret`, and has not expired."""
+    expires, _, _ = given.partition(".")
+    if secret is None or not expires.isdigit() or int(expires) < time.time():
+        return False
+    return hmac.compare_digest(given, ticket(secret, sha256, int(expires)))
 
 
 class Shelf:
@@ -161,8 +175,7 @@ class PeerServer:
         self.secret: str | None = None  # the broker's, given at registration
         self.served = 0  # bytes sent to peers
         self.lock = threading.Lock()  # for `served`, added to by every serving thread
-        self.http = ThreadingHTTPServer((host, port), Handler)
-        self.http.daemon_threads = True
+        self.http = _Bounded((host, port), Handler)
         self.port = self.http.server_address[1]
         self.thread = threading.Thread(target=self.http.serve_forever, name="peers", daemon=True)
 
@@ -171,8 +184,10 @@ class PeerServer:
         if match is None:
             return _refuse(req, 404, "no such route")
         given = req.headers.get("Authorization", "").removeprefix("Bearer ")
-        if self.secret is None or not hmac.compare_digest(given, ticket(self.secret, match[1])):
-            return _refuse(req, 403, "no ticket from the broker for this version")
+        if not admits(self.secret, match[1], given):
+            return _refuse(
+                req, 403, "no ticket (or an expired one) from the broker for this version"
+            )
         part = self.shelf.get(match[1])
         if part is None:
             return _refuse(req, 404, "not held here")
@@ -217,6 +232,33 @@ class PeerServer:
     def __exit__(self, *exc) -> None:
         self.http.shutdown()
         self.http.server_close()
+
+
+class _Bounded(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_READERS at once: more are closed unanswered (the
+    reader goes to the broker), so a flood of connections costs a sampler no more threads."""
+
+    daemon_threads = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.slots = threading.BoundedSemaphore(MAX_READERS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def reachable_host(broker_url: str) -> str:

@@ -96,16 +96,18 @@ def test_a_peer_that_passes_versions_on_slowly_is_a_leaf_for_a_while():
     assert ask(1, "p", 1.0).url is None  # p got v0 from the broker at 10 MiB/s
     ask(1, "q", 1.0)
     ask(1, "a", 20.0)  # 0.5 MiB/s from p, to each of two takers: 1 of p's 10
-    assert fan.slow == {"p": 0}
+    assert fan.slow == {"p": (0, SLOW_VERSIONS)}
     ask(1, "e", 20.0)  # as slow as a, its source, which passed on all it got: not to blame
     ask(1, "b", 1.2)  # q's takers: fine
-    assert fan.slow == {"p": 0}
+    assert fan.slow == {"p": (0, SLOW_VERSIONS)}
     for v in range(1, SLOW_VERSIONS):
         named = {fan.source(v, SHA, s, None, size).url for s in "pqabcde"}
         assert "http://p.peer:9000" not in named, v  # a leaf: it serves nobody
     v = SLOW_VERSIONS
     named = {fan.source(v, SHA, s, None, size).url for s in "pqabcde"}
     assert "http://p.peer:9000" in named  # tried again once the while is over
+    fan.source(v + 1, SHA, "p", None, size, Took(version=v, seconds=1.0, served=1.0))
+    assert fan.slow == {"p": (v, 2 * SLOW_VERSIONS)}  # slow again: a leaf twice as long
 
 
 def test_reports_about_sources_never_named_are_ignored():
@@ -125,10 +127,10 @@ def test_a_peer_that_says_it_passed_a_version_on_slowly_serves_nobody_next():
         fan.join(sid, f"http://{sid}.peer:9000")
     sources(fan, ["p", "a"], 1000)  # the broker serves p, p serves a
     fan.source(1, SHA, "p", None, 1000, Took(version=0, seconds=1.0, served=100.0))
-    assert fan.slow == {"p": 0}  # it passed on 100 B/s of the 1000 B/s it got
+    assert fan.slow == {"p": (0, SLOW_VERSIONS)}  # it passed on 100 B/s of the 1000 B/s it got
     assert fan.source(1, SHA, "b", None, 1000).url is None  # not p: the broker, p being full
     fan.source(2, SHA, "a", None, 1000, Took(version=0, seconds=1.0, served=None))
-    assert fan.slow == {"p": 0}  # a served nobody: no word on itself
+    assert fan.slow == {"p": (0, SLOW_VERSIONS)}  # a served nobody: no word on itself
 
 
 def test_a_shelf_times_its_peers_reads_while_any_is_reading():

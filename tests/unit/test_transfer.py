@@ -4,6 +4,7 @@ arrives (echorl/rollout/peers.py), and peers that misbehave (echorl/client.py)."
 import contextlib
 import hashlib
 import os
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -100,6 +101,11 @@ def test_the_peer_server_passes_a_version_on_while_it_arrives():
         assert past.status_code == 416
         other = {"Authorization": f"Bearer {ticket('another secret', SHA)}"}
         assert httpx.get(url, headers=other).status_code == 403
+        # An expired ticket, and one whose expiry was moved on (the HMAC covers it): 403.
+        old = ticket("s3cret", SHA, int(time.time()) - 1)
+        assert httpx.get(url, headers={"Authorization": f"Bearer {old}"}).status_code == 403
+        moved = f"{int(time.time()) + 60}.{old.partition('.')[2]}"
+        assert httpx.get(url, headers={"Authorization": f"Bearer {moved}"}).status_code == 403
         assert server.served == 2 * len(BLOB) - 1000
 
 
@@ -136,10 +142,31 @@ def test_a_peer_that_trickles_or_sends_garbage_is_given_up_not_waited_for(monkey
         server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
         server.mode, server.daemon_threads = mode, True
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        peer = WeightSource(url=f"http://127.0.0.1:{server.server_address[1]}", ticket="0" * 64)
+        peer = WeightSource(
+            url=f"http://127.0.0.1:{server.server_address[1]}", ticket=ticket("x", SHA)
+        )
         with BrokerClient("http://127.0.0.1:9", retries=0) as client:
             t0 = time.monotonic()
             with pytest.raises(BrokerUnavailable):  # reported, and the broker asked instead
                 client.receive(info, Partial(SHA, len(BLOB)), peer)
             assert time.monotonic() - t0 < 5, mode
         server.shutdown()
+
+
+def test_a_flood_of_connections_gets_no_more_than_max_readers_threads():
+    from echorl.rollout.peers import MAX_READERS
+
+    with PeerServer(Shelf(), "127.0.0.1") as server:
+        server.secret = "s3cret"
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_READERS)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed unanswered: every slot is taken
+        for s in held:
+            s.close()
+        extra.close()
+        time.sleep(0.2)  # the slots free as their connections end
+        url = server.url("127.0.0.1") + f"/v1/peer/weights/{SHA}"
+        auth = {"Authorization": f"Bearer {ticket('s3cret', SHA)}"}
+        assert httpx.get(url, headers=auth).status_code == 404  # answered again: not held
