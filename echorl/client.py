@@ -69,6 +69,8 @@ CHUNK = 1 << 20
 # slower than PEER_MIN_RATE bytes/s on average once PEER_GRACE_S have passed: a peer that
 # trickles cannot hold a sampler, and the samplers it feeds, for long.
 PEER_TIMEOUT_S, PEER_GRACE_S, PEER_MIN_RATE = 10.0, 10.0, 64 << 10
+# A peer slower than the broker's `min_rate` for it after PEER_CHECK_S is left (TooSlow).
+PEER_CHECK_S = 2.0
 
 
 class BrokerError(Exception):
@@ -83,6 +85,10 @@ class BrokerRejected(BrokerError):
 
 class BrokerUnavailable(BrokerError):
     pass
+
+
+class TooSlow(BrokerUnavailable):
+    """A peer delivering under the broker's `min_rate`: left for the broker, not reported."""
 
 
 class BrokerClient:
@@ -342,7 +348,8 @@ class BrokerClient:
         """As `_stream`, from a peer, which is not trusted: its own client (it never sees this
         sampler's credential), the bytes taken raw (no decoding), an error's body unread, and
         a transfer slower than PEER_MIN_RATE on average after PEER_GRACE_S given up. Any
-        failure raises BrokerUnavailable: the caller reports the peer and asks elsewhere."""
+        failure raises BrokerUnavailable: the caller reports the peer and asks elsewhere;
+        one under the broker's `min_rate` after PEER_CHECK_S, TooSlow: the broker, unreported."""
         headers = {"Authorization": f"Bearer {peer.ticket}", "Accept-Encoding": "identity"}
         if into.have:
             headers["Range"] = f"bytes={into.have}-"
@@ -364,6 +371,10 @@ class BrokerClient:
                     took = time.monotonic() - t0
                     if took > PEER_GRACE_S and into.have - start < PEER_MIN_RATE * took:
                         raise BrokerUnavailable(None, f"under {PEER_MIN_RATE >> 10} KiB/s")
+                    slow = peer.min_rate and into.have - start < peer.min_rate * took
+                    if took > PEER_CHECK_S and slow and into.have < info.size_bytes:
+                        rate = (into.have - start) / took / 1e6
+                        raise TooSlow(None, f"{rate:.2f} MB/s, under {peer.min_rate / 1e6:.2f}")
             return False
         except (httpx.HTTPError, httpx.StreamError) as e:
             raise BrokerUnavailable(None, f"{type(e).__name__}: {e}") from None

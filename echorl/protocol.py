@@ -559,6 +559,14 @@ class WeightSource(_Wire):
 
     url: str | None = Field(None, pattern=PEER_URL_PATTERN)
     ticket: str | None = Field(None, pattern=r"^[0-9]{1,12}\.[0-9a-f]{64}$")
+    min_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1e12,
+        description="bytes/s: a peer slower than this once the sampler has read from it "
+        "for a few seconds is left for the broker, unreported (it may be passing on a slow "
+        "arrival); about half what samplers got their last versions at",
+    )
 
 
 class LeaseRequest(HeartbeatRequest):

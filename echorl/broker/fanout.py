@@ -16,8 +16,11 @@ broker alone (bench/fanout.py --slow-uplink). So each sampler tells, with its ne
 long its last version took from the source named for it. A peer whose takers together got
 under SLOW_SHARE of the rate it received at itself is named to nobody for SLOW_VERSIONS
 versions (a leaf: it still fetches), then tried again; found slow again, for twice as
-long (up to SLOW_MAX_VERSIONS). The first version a slow peer passes on is slow for its
-takers: its speed is learned from that. A taker's rate is bounded by its
+long (up to SLOW_MAX_VERSIONS). Until a slow peer is found out (the first version it
+passes on, and each retry), its takers are told a `min_rate`, half the median rate samplers
+got their last versions at: a peer slower than that a few seconds in is left for the broker
+(unreported, since it may only be passing on a slow arrival; its own word and its takers'
+times then find it out). A taker's rate is bounded by its
 source's own arrival (bytes pass on as they come), so a slow peer's grandchildren do not
 blame their healthy parents. A sampler can so report only the source named to it; a liar
 can make that one peer a leaf for a while, which costs the broker bandwidth, never weights. Kept in memory only: after a broker
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import statistics
 import threading
 from collections import Counter
 
@@ -78,6 +82,7 @@ class FanOut:
         with self.lock:
             url, _ = self.peers.pop(sampler_id, ("", ""))
             self.by_url.pop(url, None)
+            self.rate.pop(sampler_id, None)
 
     def source(
         self,
@@ -100,7 +105,8 @@ class FanOut:
                 self.sizes.pop(old, None)
                 self.shunned.pop(old, None)
                 self.named_to = {k: s for k, s in self.named_to.items() if k[0] != old}
-            self.sizes[version] = size
+            if size:
+                self.sizes[version] = size
             if took is not None:
                 self._took(asker, took)
             sources = self.sources.setdefault(version, {BROKER: [0, 0]})  # [takers, depth]
@@ -180,4 +186,8 @@ class FanOut:
             return WeightSource()
         self.named["peer"] += 1
         url, secret = self.peers[source]
-        return WeightSource(url=url, ticket=ticket(secret, sha256))
+        # Leave a peer much slower than samplers got their last versions at (a slow uplink
+        # not yet found out) for the broker.
+        typical = statistics.median(self.rate.values()) if len(self.rate) >= 2 else None
+        floor = SLOW_SHARE * typical if typical else None
+        return WeightSource(url=url, ticket=ticket(secret, sha256), min_rate=floor)

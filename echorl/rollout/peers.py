@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from echorl.client import BrokerClient, BrokerError
+from echorl.client import BrokerClient, BrokerError, TooSlow
 from echorl.protocol import Took, WeightVersion
 from echorl.transfer import Partial
 
@@ -53,18 +53,22 @@ def obtain(
 ) -> Obtained:
     """`info`'s bytes into `part`, from the source the broker names (a peer, with a ticket,
     or itself), trying up to PEER_TRIES peers, each failure reported with the next ask; from
-    the broker once it names itself or they all failed. `took`: the last version's time from
-    its source, reported with the first ask (how the broker finds slow peers)."""
-    failed, failures = None, 0
+    the broker once it names itself, a peer is too slow, or they all failed. `took`: the last
+    version's time from its source, told with the first ask (how the broker finds slow
+    peers). The time returned is the whole fetch's, charged to the first source named."""
+    failed, failures, t0 = None, 0, time.perf_counter()
     for _ in range(PEER_TRIES):
         source = client.source(info.version, failed, took)
         took = None
         if source.url is None:
             break
-        t0 = time.perf_counter()
         try:
             client.receive(info, part, source)
             return Obtained(source.url, failures, timed(info.version, t0))
+        except TooSlow as e:  # perhaps only passing on a slow arrival: not reported
+            log.info("%s: peer %s too slow for version %d (%s)", name, source.url, info.version, e)
+            part.restart()
+            break
         except BrokerError as e:  # no answer, a cut, wrong bytes
             log.warning(
                 "%s: peer %s did not deliver version %d (%s); asking the broker again",
@@ -75,7 +79,6 @@ def obtain(
             )
             failed, failures = source.url, failures + 1
             part.restart()
-    t0 = time.perf_counter()
     client.receive(info, part)
     return Obtained(None, failures, timed(info.version, t0))
 

@@ -145,3 +145,16 @@ def test_a_shelf_times_its_peers_reads_while_any_is_reading():
     shelf.served(SHA, 0.5, 1.0, 50)  # alongside the first
     shelf.served(SHA, 9.0, 10.0, 100)  # much later: the idle 8 s do not count
     assert shelf.served_rate(SHA) == pytest.approx(250 / 2.0)
+
+
+def test_a_peer_is_named_with_half_the_rate_samplers_got_their_last_versions_at():
+    fan = FanOut(1)
+    for sid in ("p", "a", "b"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    sources(fan, ["p", "a", "b"], 1000)  # broker -> p -> a -> b
+    assert fan.source(0, SHA, "b", None).min_rate is None  # nothing measured yet
+    for sid, seconds in (("p", 1.0), ("a", 2.0), ("b", 4.0)):
+        fan.source(1, SHA, sid, None, 1000, Took(version=0, seconds=seconds))
+    assert fan.rate == {"p": 1000.0, "a": 500.0, "b": 250.0}
+    named = fan.source(1, SHA, "c", None, 1000)  # a newcomer, under a peer
+    assert named.url is not None and named.min_rate == 0.5 * 500.0  # half the median

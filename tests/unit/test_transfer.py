@@ -170,3 +170,21 @@ def test_a_flood_of_connections_gets_no_more_than_max_readers_threads():
         url = server.url("127.0.0.1") + f"/v1/peer/weights/{SHA}"
         auth = {"Authorization": f"Bearer {ticket('s3cret', SHA)}"}
         assert httpx.get(url, headers=auth).status_code == 404  # answered again: not held
+
+
+def test_a_peer_under_the_brokers_min_rate_is_left_for_the_broker(monkeypatch):
+    """Slow, not broken (it may be passing on a slow arrival): TooSlow, which obtain() does
+    not report, a few seconds in, long before the 10 s grace of a trickling peer."""
+    monkeypatch.setattr(client_module, "PEER_CHECK_S", 0.3)
+    info = WeightVersion(version=0, sha256=SHA, size_bytes=len(BLOB))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    server.mode, server.daemon_threads = "trickle", True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    peer = WeightSource(url=url, ticket=ticket("x", SHA), min_rate=1e6)
+    with BrokerClient("http://127.0.0.1:9", retries=0) as client:
+        t0 = time.monotonic()
+        with pytest.raises(client_module.TooSlow, match="under 1.00"):
+            client.receive(info, Partial(SHA, len(BLOB)), peer)
+        assert time.monotonic() - t0 < 3
+    server.shutdown()
