@@ -79,13 +79,16 @@ class Relay:
     def __exit__(self, *exc) -> None:
         async def close():
             self.server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.server.wait_closed()
 
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        self.loop.close()
 
     async def _serve(self) -> asyncio.Server:
         return await asyncio.start_server(self._relay, self.host, self.port)
@@ -98,17 +101,20 @@ class Relay:
             return
         with self.counts.lock:
             self.counts.connections += 1
-        await asyncio.gather(
-            self._pipe(client_r, server_w), self._pipe(server_r, client_w), return_exceptions=True
-        )
-        for w in (client_w, server_w):
-            w.close()
+        try:
+            await asyncio.gather(
+                self._pipe(client_r, server_w),
+                self._pipe(server_r, client_w),
+                return_exceptions=True,
+            )
+        finally:
+            for w in (client_w, server_w):
+                w.close()
 
     def _extra(self, n: int) -> float:
         """Seconds the stream waits for the segments of an `n`-byte chunk that were lost."""
-        if not self.loss:
-            return 0.0
-        lost = sum(self.random.random() < self.loss for _ in range(math.ceil(n / SEGMENT)))
+        segments = math.ceil(n / SEGMENT) if self.loss else 0
+        lost = sum(self.random.random() < self.loss for _ in range(segments))
         with self.counts.lock:
             self.counts.chunks += 1
             self.counts.bytes += n
@@ -131,16 +137,26 @@ class Relay:
                         writer.write_eof()
                     return
                 writer.write(data)
-                await writer.drain()
+                await writer.drain()  # a reset ends the sender, and with it the reading
+
+        async def offer(item: tuple[float, bytes]) -> bool:
+            """Queue `item` unless the sender dies first (a full queue would wait forever)."""
+            put = asyncio.ensure_future(queue.put(item))
+            await asyncio.wait({put, sender}, return_when=asyncio.FIRST_COMPLETED)
+            if not put.done():
+                put.cancel()
+            return put.done() and not put.cancelled()
 
         sender = asyncio.create_task(send())
         last = 0.0
         try:
             while data := await reader.read(CHUNK):
                 last = max(last, time.monotonic() + self.delay_s) + self._extra(len(data))
-                await queue.put((last, data))
+                if not await offer((last, data)):
+                    break
         finally:
-            await queue.put((max(last, time.monotonic() + self.delay_s), b""))
+            if not sender.done():
+                await offer((max(last, time.monotonic() + self.delay_s), b""))
             await sender
 
 

@@ -88,7 +88,8 @@ class BrokerUnavailable(BrokerError):
 
 
 class TooSlow(BrokerUnavailable):
-    """A peer delivering under the broker's `min_rate`: left for the broker, not reported."""
+    """A peer delivering under the broker's `min_rate`, or busy: left for the broker, not
+    reported (it may be passing on a slow arrival, or flooded by someone else)."""
 
 
 class BrokerClient:
@@ -359,6 +360,8 @@ class BrokerClient:
             with self._peers().stream("GET", url, headers=headers) as r:
                 if r.status_code == 416:  # nothing after `have`: already whole
                     return False
+                if r.status_code == 503:  # busy (or so it says): the broker, unreported
+                    raise TooSlow(503, "the peer is busy")
                 if r.status_code >= 400:
                     raise BrokerUnavailable(r.status_code, "the peer refused")
                 if r.status_code != 206:

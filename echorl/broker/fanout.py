@@ -13,19 +13,15 @@ REPORTERS_TO_DROP different samplers, not at all.
 A peer that passes versions on slowly (a home line's uplink) would hold up its whole
 subtree: fan-out 2 under one 5 Mbit/s uplink among 50 Mbit/s links took longer than the
 broker alone (bench/fanout.py --slow-uplink). So each sampler tells, with its next ask, how
-long its last version took from the source named for it. A peer whose takers together got
-under SLOW_SHARE of the rate it received at itself is named to nobody for SLOW_VERSIONS
-versions (a leaf: it still fetches), then tried again; found slow again, for twice as
-long (up to SLOW_MAX_VERSIONS). Until a slow peer is found out (the first version it
-passes on, and each retry), its takers are told a `min_rate`, half the median rate samplers
-got their last versions at: a peer slower than that a few seconds in is left for the broker
-(unreported, since it may only be passing on a slow arrival; its own word and its takers'
-times then find it out). A taker's rate is bounded by its
-source's own arrival (bytes pass on as they come), so a slow peer's grandchildren do not
-blame their healthy parents. A sampler can so report only the source named to it; a liar
-can make that one peer a leaf for a while, which costs the broker bandwidth, never weights. Kept in memory only: after a broker
-restart, samplers fetch from the broker until they register again (their peer secrets went
-with it).
+long its last version took from the source named for it and how fast it passed it on
+(`Took`); `Speeds` judges, and a peer found slow is named to nobody for SLOW_VERSIONS
+versions (a leaf: it still fetches), then tried again; found slow again, twice as long (up
+to SLOW_MAX_VERSIONS). Every peer is named with a `min_rate`, LEAVE_SHARE of the median rate
+samplers got their last versions at: a taker leaves a peer slower than that a few seconds
+in for the broker, unreported, so a slow peer not yet found out (or tried again) costs its
+takers seconds, not the whole download. Reports are the samplers' word: a liar can keep a
+peer a leaf for a while (its own source only, and only with a second taker's word), which
+costs the broker bandwidth, never weights.
 """
 
 from __future__ import annotations
@@ -41,9 +37,11 @@ from echorl.rollout.peers import KEEP, ticket
 
 REPORTERS_TO_DROP = 2  # samplers a peer failed (any versions) before it is never named
 VERSIONS_KEPT = 8  # the trees of this many newest versions are kept
-SLOW_SHARE = 0.5  # a peer's takers together under this share of its own rate: slow
+SLOW_SHARE = 0.5  # a peer passing versions on at under this share of what it could: slow
 SLOW_VERSIONS = 4  # versions a slow peer is named to nobody, before it is tried again ...
 SLOW_MAX_VERSIONS = 64  # ... doubled each time it is found slow again, up to this
+LEAVE_SHARE = 0.25  # min_rate: this share of the median rate samplers got versions at
+MAX_RATE = 1e11  # bytes/s: a report of more is taken as this much
 
 log = logging.getLogger("echorl.broker")
 
@@ -62,9 +60,7 @@ class FanOut:
         self.shunned: dict[int, set[str]] = {}  # version -> peers that failed it
         self.reporters: dict[str, set[str]] = {}  # peer -> the askers it failed
         self.sizes: dict[int, int] = {}  # version -> bytes
-        self.rate: dict[str, float] = {}  # sampler -> bytes/s its last version arrived at
-        # peer -> (the last version it passed on slowly, versions it is a leaf for from then)
-        self.slow: dict[str, tuple[int, int]] = {}
+        self.speeds = Speeds()
         self.named = Counter()  # "broker" / "peer": how often each was named
         self.lock = threading.Lock()
 
@@ -82,7 +78,7 @@ class FanOut:
         with self.lock:
             url, _ = self.peers.pop(sampler_id, ("", ""))
             self.by_url.pop(url, None)
-            self.rate.pop(sampler_id, None)
+            self.speeds.forget(sampler_id)
 
     def source(
         self,
@@ -105,9 +101,10 @@ class FanOut:
                 self.sizes.pop(old, None)
                 self.shunned.pop(old, None)
                 self.named_to = {k: s for k, s in self.named_to.items() if k[0] != old}
+                self.speeds.prune(old)
             if size:
                 self.sizes[version] = size
-            if took is not None:
+            if took is not None and self.sizes.get(took.version):
                 self._took(asker, took)
             sources = self.sources.setdefault(version, {BROKER: [0, 0]})  # [takers, depth]
             before = self.named_to.get((version, asker))
@@ -131,7 +128,7 @@ class FanOut:
                     and s in self.peers
                     and s not in shunned
                     and len(self.reporters.get(s, ())) < REPORTERS_TO_DROP
-                    and sum(self.slow.get(s, (-1, 0))) <= version
+                    and not self.speeds.is_slow(s, version)
                 )
             ]
             # Breadth first: the shallowest source with room (the broker first), so the tree
@@ -144,41 +141,15 @@ class FanOut:
             return self._name(chosen, sha256)
 
     def _took(self, asker: str, took: Took) -> None:
-        """`asker` received `took.version` in `took.seconds` from the source named for it and
-        passed it on at `took.served`: its own rate, and verdicts on it and on its source."""
+        """`asker`'s report on the last version it fetched, to the judge of speeds."""
         source = self.named_to.get((took.version, asker))
-        if source is None or not self.sizes.get(took.version):
+        if source is None:
             return  # not named by this broker (or forgotten): nothing to judge
-        rate = self.sizes[took.version] / took.seconds
-        self.rate[asker] = rate
-        served_by = self.sources[took.version]
-        # Its own word: it passed the version on slower than it got it (timely: told before
-        # it takes a place in the next version's tree).
-        told = took.served
-        if told is not None and served_by.get(asker, [0])[0] and told < SLOW_SHARE * rate:
-            self._slow(asker, took.version, told, rate)
-        # Its source's takers' word (a peer that claims to be fast is found out by them): a
-        # taker gets at most what its source receives, so its own takers do not blame it.
-        own = self.rate.get(source)
-        if source != BROKER and own is not None:
-            takers = served_by[source][0]
-            if rate * takers < SLOW_SHARE * own:
-                self._slow(source, took.version, rate * takers, own)
-
-    def _slow(self, peer: str, version: int, served: float, own: float) -> None:
-        last, leaf_for = self.slow.get(peer, (-1, 0))
-        if last < version:
-            leaf_for = min(2 * leaf_for, SLOW_MAX_VERSIONS) if leaf_for else SLOW_VERSIONS
-            self.slow[peer] = (version, leaf_for)
-            log.info(
-                "peer %s passed version %d on at %.1f MB/s (it got it at %.1f): named to "
-                "nobody for %d versions",
-                peer,
-                version,
-                served / 1e6,
-                own / 1e6,
-                leaf_for,
-            )
+        v = took.version
+        takers = [a for (ver, a), s in self.named_to.items() if ver == v and s == asker]
+        n_source = self.sources[v][source][0]
+        self.speeds.told(asker, took, self.sizes[v], None if source == BROKER else source,
+                         n_source, takers)  # fmt: skip
 
     def _name(self, source: str, sha256: str) -> WeightSource:
         if source == BROKER or source not in self.peers:
@@ -186,8 +157,107 @@ class FanOut:
             return WeightSource()
         self.named["peer"] += 1
         url, secret = self.peers[source]
-        # Leave a peer much slower than samplers got their last versions at (a slow uplink
-        # not yet found out) for the broker.
-        typical = statistics.median(self.rate.values()) if len(self.rate) >= 2 else None
-        floor = SLOW_SHARE * typical if typical else None
-        return WeightSource(url=url, ticket=ticket(secret, sha256), min_rate=floor)
+        return WeightSource(url=url, ticket=ticket(secret, sha256), min_rate=self.speeds.min_rate())
+
+
+class Speeds:
+    """How fast samplers receive versions and pass them on, from what they tell with their
+    next ask (`Took`), and which peers are too slow to pass versions on.
+
+    A peer is slow for version v when it passed v on at under SLOW_SHARE of what it could
+    have: of the rate it got v at itself (bytes pass on as they come, so a peer is never
+    blamed for a slow arrival), and of what its takers can take (their best rate so far, so
+    a taker's own slow line blames nobody), shared among them. Its own word (`served`) is
+    enough; its takers' word needs REPORTERS_TO_DROP of them, so one liar cannot make a
+    peer a leaf. A taker's report waits for its source's own report of that version."""
+
+    def __init__(self):
+        self.got: dict[tuple[int, str], float] = {}  # (version, sampler) -> bytes/s it got v at
+        self.best: dict[str, float] = {}  # sampler -> the fastest it has got a version at
+        self.latest: dict[str, tuple[int, float]] = {}  # sampler -> (version, rate): the median
+        # (version, source) -> its takers' (taker, rate, takers of the source), until the
+        # source's own report of that version comes
+        self.pending: dict[tuple[int, str], list[tuple[str, float, int]]] = {}
+        self.blamers: dict[str, set[str]] = {}  # peer -> takers that found it slow
+        # peer -> (the version it was found slow at, versions it is a leaf for from then)
+        self.slow: dict[str, tuple[int, int]] = {}
+
+    def told(
+        self,
+        sampler: str,
+        took: Took,
+        size: int,
+        source: str | None,
+        n_source: int,
+        takers: list[str],
+    ) -> None:
+        """`sampler` got `took.version` (`size` bytes) in `took.seconds` from `source` (a
+        peer, serving `n_source`; None: the broker) and passed it on to `takers` at
+        `took.served`. Only its first report of a version counts."""
+        v = took.version
+        if (v, sampler) in self.got:
+            return
+        rate = min(size / took.seconds, MAX_RATE)
+        self.got[(v, sampler)] = rate
+        self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
+        self.latest[sampler] = (v, rate)
+        if took.served is not None and takers:  # its own word
+            could = min(rate, sum(self.best.get(t, rate) for t in takers))
+            if min(took.served, MAX_RATE) < SLOW_SHARE * could:
+                self._found(sampler, v, took.served, could)
+        for taker, taker_rate, n in self.pending.pop((v, sampler), []):
+            self._judge(v, sampler, taker, taker_rate, n)
+        if source is not None:
+            if (v, source) in self.got:
+                self._judge(v, source, sampler, rate, n_source)
+            else:
+                self.pending.setdefault((v, source), []).append((sampler, rate, n_source))
+
+    def _judge(self, v: int, peer: str, taker: str, rate: float, n: int) -> None:
+        """`taker` got v from `peer` at `rate`, `peer` serving `n` takers."""
+        could = min(self.got[(v, peer)], self.best.get(taker, rate)) / max(n, 1)
+        if rate < SLOW_SHARE * could:
+            blamers = self.blamers.setdefault(peer, set())
+            blamers.add(taker)
+            if len(blamers) >= REPORTERS_TO_DROP:
+                self._found(peer, v, rate * n, could * n)
+
+    def _found(self, peer: str, version: int, served: float, could: float) -> None:
+        last, leaf_for = self.slow.get(peer, (-1, 0))
+        if last < version:
+            leaf_for = min(2 * leaf_for, SLOW_MAX_VERSIONS) if leaf_for else SLOW_VERSIONS
+            self.slow[peer] = (version, leaf_for)
+            self.blamers.pop(peer, None)
+            log.info(
+                "peer %s passed version %d on at %.2f MB/s (it could have at %.2f): named "
+                "to nobody for %d versions",
+                peer,
+                version,
+                served / 1e6,
+                could / 1e6,
+                leaf_for,
+            )
+
+    def is_slow(self, peer: str, version: int) -> bool:
+        """Found slow at a version w, `peer` is named to nobody for w+1 .. w+leaf_for."""
+        found, leaf_for = self.slow.get(peer, (-1, 0))
+        return version <= found + leaf_for
+
+    def min_rate(self) -> float | None:
+        """LEAVE_SHARE of the median rate samplers got their latest versions at."""
+        if len(self.latest) < 2:
+            return None
+        return LEAVE_SHARE * statistics.median(rate for _, rate in self.latest.values())
+
+    def prune(self, old: int) -> None:
+        """Version `old` is forgotten: so are reports of it, and samplers not heard since."""
+        self.got = {k: r for k, r in self.got.items() if k[0] > old}
+        self.pending = {k: p for k, p in self.pending.items() if k[0] > old}
+        for sampler in [s for s, (v, _) in self.latest.items() if v <= old]:
+            self.forget(sampler)
+
+    def forget(self, sampler: str) -> None:
+        self.latest.pop(sampler, None)
+        self.best.pop(sampler, None)
+        self.blamers.pop(sampler, None)
+        self.slow.pop(sampler, None)

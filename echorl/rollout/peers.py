@@ -17,6 +17,7 @@ did not send them, and a ticket passed on outlives its purpose by an hour at mos
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -39,6 +40,8 @@ KEEP = 2  # versions a sampler keeps to serve: the one it holds and the one arri
 PEER_TRIES = 3  # peers tried for one version before the broker
 MAX_READERS = 16  # connections a sampler serves at once (a version goes to peer_fanout)
 TICKET_S = 3600  # a ticket admits its holder for this long (a big version's resumed reads)
+TICKET = re.compile(r"[0-9]{1,12}\.[0-9a-f]{64}")  # EXPIRES.HMAC
+RANGE = re.compile(r"bytes=([0-9]+)-$")
 
 
 @dataclass
@@ -55,7 +58,8 @@ def obtain(
     or itself), trying up to PEER_TRIES peers, each failure reported with the next ask; from
     the broker once it names itself, a peer is too slow, or they all failed. `took`: the last
     version's time from its source, told with the first ask (how the broker finds slow
-    peers). The time returned is the whole fetch's, charged to the first source named."""
+    peers). The time returned is charged to the last source named: from its naming, or, for
+    a peer left as too slow, from its naming to the end of the broker's download."""
     failed, failures, t0 = None, 0, time.perf_counter()
     for _ in range(PEER_TRIES):
         source = client.source(info.version, failed, took)
@@ -79,6 +83,7 @@ def obtain(
             )
             failed, failures = source.url, failures + 1
             part.restart()
+            t0 = time.perf_counter()  # the next source named is charged from here
     client.receive(info, part)
     return Obtained(None, failures, timed(info.version, t0))
 
@@ -97,10 +102,10 @@ def ticket(secret: str, sha256: str, expires: int | None = None) -> str:
 
 def admits(secret: str | None, sha256: str, given: str) -> bool:
     """`given` is the broker's ticket for `sha256` under `secret`, and has not expired."""
-    expires, _, _ = given.partition(".")
-    if secret is None or not expires.isdigit() or int(expires) < time.time():
+    if secret is None or not TICKET.fullmatch(given):
         return False
-    return hmac.compare_digest(given, ticket(secret, sha256, int(expires)))
+    expires = int(given.partition(".")[0])
+    return expires >= time.time() and hmac.compare_digest(given, ticket(secret, sha256, expires))
 
 
 class Shelf:
@@ -109,8 +114,9 @@ class Shelf:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
         self.parts: dict[str, Partial] = {}
-        # sha256 -> bytes sent to peers, and the (start, end) of each read
-        self.serving: dict[str, tuple[int, list[tuple[float, float]]]] = {}
+        # sha256 -> (bytes sent to peers, seconds any peer was reading, when the last read
+        # ended)
+        self.serving: dict[str, tuple[int, float, float]] = {}
         self.lock = threading.Lock()
 
     def put(self, part: Partial) -> None:
@@ -136,25 +142,20 @@ class Shelf:
             return self.parts.get(sha256)
 
     def served(self, sha256: str, start: float, end: float, sent: int) -> None:
-        """A peer read `sent` bytes of `sha256` from `start` to `end` (time.monotonic)."""
+        """A peer read `sent` bytes of `sha256` from `start` to `end` (time.monotonic), told
+        as each read ends: its time counts where no read that ended before it was going."""
         with self.lock:
             if sha256 in self.parts:
-                total, reads = self.serving.get(sha256, (0, []))
-                self.serving[sha256] = (total + sent, [*reads, (start, end)])
+                total, busy, until = self.serving.get(sha256, (0, 0.0, float("-inf")))
+                busy += max(0.0, end - max(start, until))
+                self.serving[sha256] = (total + sent, busy, max(until, end))
 
     def served_rate(self, sha256: str) -> float | None:
         """Bytes/s `sha256` went out to peers while any was reading, all of them together
         (a late reader does not count the wait before it); None: it went to nobody."""
         with self.lock:
-            sent, reads = self.serving.get(sha256, (0, []))
-        busy, until = 0.0, float("-inf")
-        for start, end in sorted(reads):
-            busy += max(0.0, end - max(start, until))
-            until = max(until, end)
+            sent, busy, _ = self.serving.get(sha256, (0, 0.0, 0.0))
         return sent / busy if sent and busy > 0 else None
-
-
-RANGE = re.compile(r"bytes=(\d+)-$")
 
 
 class PeerServer:
@@ -237,9 +238,13 @@ class PeerServer:
         self.http.server_close()
 
 
+BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
 class _Bounded(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_READERS at once: more are closed unanswered (the
-    reader goes to the broker), so a flood of connections costs a sampler no more threads."""
+    """A thread per connection, at most MAX_READERS at once: more are answered 503 and closed
+    (the reader goes to the broker without reporting this peer: a flood of connections from
+    anyone costs a sampler no more threads, and no standing with the broker)."""
 
     daemon_threads = True
 
@@ -249,6 +254,8 @@ class _Bounded(ThreadingHTTPServer):
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):  # busy: no thread, one write, closed
+                request.sendall(BUSY)
             self.shutdown_request(request)
             return
         try:

@@ -93,7 +93,8 @@ def test_a_sampler_behind_a_long_lossy_path_delivers_on_policy(tmp_path):
     run = ["-o", "task.name=add", "-o", "train.batch_prompts=4", "-o", "train.group_size=4"]
     run += ["-o", "train.drop_flat_groups=false", "-o", "broker.mode=sync"]
     data = tmp_path / "b"
-    broker, url = start_broker(data, free_port(), *run)
+    # Each holds at most half a step's jobs, so the near one cannot take every step's work.
+    broker, url = start_broker(data, free_port(), *run, "-o", "broker.max_leased_per_sampler=2")
     port = int(url.rsplit(":", 1)[1])
     procs = []
     try:

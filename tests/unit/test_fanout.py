@@ -3,7 +3,7 @@ broker's fan-out, peers that fail shunned, and nothing but the broker at fan-out
 
 import pytest
 
-from echorl.broker.fanout import SLOW_VERSIONS, FanOut
+from echorl.broker.fanout import LEAVE_SHARE, MAX_RATE, SLOW_VERSIONS, FanOut, Speeds
 from echorl.protocol import Took
 from echorl.rollout.peers import ticket
 
@@ -79,35 +79,79 @@ def test_fanout_zero_is_the_broker_alone_and_a_sampler_that_left_is_not_named():
     assert fan.source(0, SHA, "s1", None).url is None
 
 
-def test_a_peer_that_passes_versions_on_slowly_is_a_leaf_for_a_while():
-    """p's uplink is slow: its two takers each got v0 at a twentieth of p's own rate, so
-    from their next asks p is named to nobody for SLOW_VERSIONS versions, then tried again.
-    A taker of p's taker, as slow as its parent, does not blame it."""
-    fan = FanOut(2)
-    for sid in ("p", "q", "a", "b", "c", "d", "e"):
+def took(v, seconds, served=None):
+    return Took(version=v, seconds=seconds, served=served)
+
+
+def test_two_takers_find_a_peer_slow_none_blames_a_slow_arrival_or_its_own_line():
+    sp = Speeds()
+    for sid in ("p", "q", "a", "c", "e"):  # v0 from the broker at 100 B/s: their best
+        sp.told(sid, took(0, 1.0), 100, None, 2, [])
+    sp.told("f", took(0, 10.0), 100, None, 2, [])  # f's own line: 10 B/s at best
+    sp.told("p", took(1, 1.0), 100, None, 2, [])
+    sp.told("a", took(1, 10.0), 100, "p", 2, ["e"])  # 10 B/s from p, which could give 50 each
+    assert sp.blamers == {"p": {"a"}} and sp.slow == {}  # one taker's word is not enough
+    sp.told("a", took(1, 10.0), 100, "p", 2, ["e"])  # nor twice the same report
+    assert sp.blamers == {"p": {"a"}}
+    sp.told("e", took(1, 10.0), 100, "a", 1, [])  # as slow as a got it: a is not to blame
+    sp.told("q", took(1, 1.0), 100, None, 2, [])
+    sp.told("f", took(1, 10.0), 100, "q", 1, [])  # its own slow line: q is not to blame
+    assert set(sp.blamers) == {"p"}
+    sp.told("c", took(1, 10.0), 100, "p", 2, [])  # the second taker: p is slow
+    assert sp.slow == {"p": (1, SLOW_VERSIONS)} and "p" not in sp.blamers
+    assert [v for v in range(2, 10) if sp.is_slow("p", v)] == list(range(2, 2 + SLOW_VERSIONS))
+
+
+def test_a_takers_report_waits_for_its_sources_own():
+    sp = Speeds()
+    for sid in ("r", "g", "h"):
+        sp.told(sid, took(0, 1.0), 100, None, 2, [])
+    sp.told("g", took(1, 10.0), 100, "r", 2, [])  # before r's own report of v1
+    sp.told("h", took(1, 10.0), 100, "r", 2, [])
+    assert sp.slow == {} and (1, "r") in sp.pending
+    sp.told("r", took(1, 1.0), 100, None, 2, ["g", "h"])  # r got v1 at 100 B/s: judged now
+    assert sp.slow == {"r": (1, SLOW_VERSIONS)} and not sp.pending
+
+
+def test_a_peers_own_word_counts_against_what_its_takers_can_take():
+    sp = Speeds()
+    sp.told("line", took(0, 10.0), 100, None, 2, [])  # 10 B/s at best
+    sp.told("p", took(0, 1.0, served=10.0), 100, None, 2, ["line"])  # as fast as line takes
+    assert sp.slow == {}
+    sp.told("p", took(1, 1.0, served=10.0), 100, None, 2, ["fresh"])  # fresh could take 100
+    assert sp.slow == {"p": (1, SLOW_VERSIONS)}
+    sp.told("p", took(1 + SLOW_VERSIONS, 1.0, served=1.0), 100, None, 2, ["fresh"])
+    assert sp.slow == {"p": (1 + SLOW_VERSIONS, 2 * SLOW_VERSIONS)}  # again: twice as long
+
+
+def test_absurd_reports_are_clamped_and_the_peer_is_still_named():
+    fan = FanOut(1)
+    for sid in ("p", "a", "b"):
         fan.join(sid, f"http://{sid}.peer:9000")
-    size = 10 << 20
-    got = sources(fan, ["p", "q", "a", "b", "c", "d", "e"], size)
-    assert got == {"p": "broker", "q": "broker", "a": "p", "b": "q", "c": "p", "d": "q", "e": "a"}
+    sources(fan, ["p", "a"], 1 << 30)
+    for sid in ("p", "a"):  # 1 GiB in a microsecond, and served at 1e12
+        fan.source(1, SHA, sid, None, 1 << 30, took(0, 1e-6, served=1e12))
+    named = fan.source(1, SHA, "b", None, 1 << 30)
+    assert named.url is not None and named.min_rate == LEAVE_SHARE * MAX_RATE
 
-    def ask(v, sid, seconds):
-        return fan.source(v, SHA, sid, None, size, Took(version=v - 1, seconds=seconds))
 
-    assert ask(1, "p", 1.0).url is None  # p got v0 from the broker at 10 MiB/s
-    ask(1, "q", 1.0)
-    ask(1, "a", 20.0)  # 0.5 MiB/s from p, to each of two takers: 1 of p's 10
-    assert fan.slow == {"p": (0, SLOW_VERSIONS)}
-    ask(1, "e", 20.0)  # as slow as a, its source, which passed on all it got: not to blame
-    ask(1, "b", 1.2)  # q's takers: fine
-    assert fan.slow == {"p": (0, SLOW_VERSIONS)}
-    for v in range(1, SLOW_VERSIONS):
-        named = {fan.source(v, SHA, s, None, size).url for s in "pqabcde"}
+def test_a_slow_peer_is_named_to_nobody_for_a_while_then_tried_again():
+    fan = FanOut(2)
+    for sid in ("p", "q", "a", "b"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    got = sources(fan, ["p", "q", "a", "b"], 100)
+    assert got == {"p": "broker", "q": "broker", "a": "p", "b": "q"}
+    fan.source(1, SHA, "p", None, 100, took(0, 1.0, served=5.0))  # passed v0 on at 5 B/s
+    fan.source(1, SHA, "q", None, 100, took(0, 1.0))
+    assert fan.speeds.slow == {"p": (0, SLOW_VERSIONS)}
+    for v in range(1, 1 + SLOW_VERSIONS):
+        named = {fan.source(v, SHA, s, None, 100).url for s in "pqab"}
         assert "http://p.peer:9000" not in named, v  # a leaf: it serves nobody
-    v = SLOW_VERSIONS
-    named = {fan.source(v, SHA, s, None, size).url for s in "pqabcde"}
+    v = 1 + SLOW_VERSIONS
+    named = {fan.source(v, SHA, s, None, 100).url for s in "pqab"}
     assert "http://p.peer:9000" in named  # tried again once the while is over
-    fan.source(v + 1, SHA, "p", None, size, Took(version=v, seconds=1.0, served=1.0))
-    assert fan.slow == {"p": (v, 2 * SLOW_VERSIONS)}  # slow again: a leaf twice as long
+    ms = fan.source(v, SHA, "late", None, 100).min_rate
+    assert ms == LEAVE_SHARE * 100.0  # a quarter of the median: p's and q's 100 B/s
 
 
 def test_reports_about_sources_never_named_are_ignored():
@@ -117,20 +161,7 @@ def test_reports_about_sources_never_named_are_ignored():
     fan.source(0, SHA, "p", None, 100)
     fan.source(1, SHA, "a", None, 100, Took(version=0, seconds=1e4))  # a fetched no v0 here
     fan.source(1, SHA, "p", None, 100, Took(version=7, seconds=1e4))  # nor p a v7
-    assert fan.slow == {} and set(fan.rate) == set()
-
-
-def test_a_peer_that_says_it_passed_a_version_on_slowly_serves_nobody_next():
-    """Its own word comes with its own ask, before it takes a place in the next tree."""
-    fan = FanOut(1)
-    for sid in ("p", "a", "b"):
-        fan.join(sid, f"http://{sid}.peer:9000")
-    sources(fan, ["p", "a"], 1000)  # the broker serves p, p serves a
-    fan.source(1, SHA, "p", None, 1000, Took(version=0, seconds=1.0, served=100.0))
-    assert fan.slow == {"p": (0, SLOW_VERSIONS)}  # it passed on 100 B/s of the 1000 B/s it got
-    assert fan.source(1, SHA, "b", None, 1000).url is None  # not p: the broker, p being full
-    fan.source(2, SHA, "a", None, 1000, Took(version=0, seconds=1.0, served=None))
-    assert fan.slow == {"p": (0, SLOW_VERSIONS)}  # a served nobody: no word on itself
+    assert fan.speeds.slow == {} and fan.speeds.latest == {}
 
 
 def test_a_shelf_times_its_peers_reads_while_any_is_reading():
@@ -145,16 +176,3 @@ def test_a_shelf_times_its_peers_reads_while_any_is_reading():
     shelf.served(SHA, 0.5, 1.0, 50)  # alongside the first
     shelf.served(SHA, 9.0, 10.0, 100)  # much later: the idle 8 s do not count
     assert shelf.served_rate(SHA) == pytest.approx(250 / 2.0)
-
-
-def test_a_peer_is_named_with_half_the_rate_samplers_got_their_last_versions_at():
-    fan = FanOut(1)
-    for sid in ("p", "a", "b"):
-        fan.join(sid, f"http://{sid}.peer:9000")
-    sources(fan, ["p", "a", "b"], 1000)  # broker -> p -> a -> b
-    assert fan.source(0, SHA, "b", None).min_rate is None  # nothing measured yet
-    for sid, seconds in (("p", 1.0), ("a", 2.0), ("b", 4.0)):
-        fan.source(1, SHA, sid, None, 1000, Took(version=0, seconds=seconds))
-    assert fan.rate == {"p": 1000.0, "a": 500.0, "b": 250.0}
-    named = fan.source(1, SHA, "c", None, 1000)  # a newcomer, under a peer
-    assert named.url is not None and named.min_rate == 0.5 * 500.0  # half the median
