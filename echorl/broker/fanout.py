@@ -17,7 +17,7 @@ long its last version took from the source named for it and how fast it passed i
 (`Took`); `Speeds` judges, and a peer found slow is named to nobody for SLOW_VERSIONS
 versions (a leaf: it still fetches), then tried again; found slow again, twice as long (up
 to SLOW_MAX_VERSIONS). Every peer is named with a `min_rate`, LEAVE_SHARE of the median rate
-samplers got their last versions at: a taker leaves a peer slower than that a few seconds
+samplers got versions from the broker at: a taker leaves a peer slower than that a few seconds
 in for the broker, unreported, so a slow peer not yet found out (or tried again) costs its
 takers seconds, not the whole download. Reports are the samplers' word: a liar can keep a
 peer a leaf for a while (its own source only, and only with a second taker's word), which
@@ -166,14 +166,16 @@ class Speeds:
 
     A peer is slow for version v when it passed v on at under SLOW_SHARE of what it could
     have: of the rate it got v at itself (bytes pass on as they come, so a peer is never
-    blamed for a slow arrival), and of what its takers can take (their best rate so far, so
-    a taker's own slow line blames nobody), shared among them. Its own word (`served`) is
-    enough; its takers' word needs REPORTERS_TO_DROP of them, so one liar cannot make a
-    peer a leaf. A taker's report waits for its source's own report of that version."""
+    blamed for a slow arrival), and of what its takers' lines can take (the best rate each
+    got a version from the broker at, where known: a taker's own slow line blames nobody),
+    shared among them. Only rates from the broker measure a line: below a slow peer, every
+    rate is slow. Its own word (`served`) is enough; its takers' word needs
+    REPORTERS_TO_DROP of them, so one liar cannot make a peer a leaf. A taker's report
+    waits for its source's own report of that version."""
 
     def __init__(self):
         self.got: dict[tuple[int, str], float] = {}  # (version, sampler) -> bytes/s it got v at
-        self.best: dict[str, float] = {}  # sampler -> the fastest it has got a version at
+        self.best: dict[str, float] = {}  # sampler -> the fastest it got a version from the broker
         self.latest: dict[str, tuple[int, float]] = {}  # sampler -> (version, rate): the median
         # (version, source) -> its takers' (taker, rate, takers of the source), until the
         # source's own report of that version comes
@@ -199,7 +201,8 @@ class Speeds:
             return
         rate = min(size / took.seconds, MAX_RATE)
         self.got[(v, sampler)] = rate
-        self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
+        if source is None:  # a line's speed: only the broker's rates show it
+            self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
         self.latest[sampler] = (v, rate)
         if took.served is not None and takers:  # its own word
             could = min(rate, sum(self.best.get(t, rate) for t in takers))
@@ -215,7 +218,7 @@ class Speeds:
 
     def _judge(self, v: int, peer: str, taker: str, rate: float, n: int) -> None:
         """`taker` got v from `peer` at `rate`, `peer` serving `n` takers."""
-        could = min(self.got[(v, peer)], self.best.get(taker, rate)) / max(n, 1)
+        could = min(self.got[(v, peer)], self.best.get(taker, MAX_RATE)) / max(n, 1)
         if rate < SLOW_SHARE * could:
             blamers = self.blamers.setdefault(peer, set())
             blamers.add(taker)
@@ -244,10 +247,11 @@ class Speeds:
         return version <= found + leaf_for
 
     def min_rate(self) -> float | None:
-        """LEAVE_SHARE of the median rate samplers got their latest versions at."""
-        if len(self.latest) < 2:
+        """LEAVE_SHARE of the median line: of the best rates samplers got versions from the
+        broker at (every rate below a slow peer is slow, so their median would not do)."""
+        if not self.best:
             return None
-        return LEAVE_SHARE * statistics.median(rate for _, rate in self.latest.values())
+        return LEAVE_SHARE * statistics.median(self.best.values())
 
     def prune(self, old: int) -> None:
         """Version `old` is forgotten: so are reports of it, and samplers not heard since."""

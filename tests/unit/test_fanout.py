@@ -176,3 +176,15 @@ def test_a_shelf_times_its_peers_reads_while_any_is_reading():
     shelf.served(SHA, 0.5, 1.0, 50)  # alongside the first
     shelf.served(SHA, 9.0, 10.0, 100)  # much later: the idle 8 s do not count
     assert shelf.served_rate(SHA) == pytest.approx(250 / 2.0)
+
+
+def test_only_the_brokers_rates_measure_a_line():
+    """Below a slow peer every rate is slow: a taker that only ever got versions there has
+    no known line, so its slow source cannot hide behind it, and the median line (what
+    min_rate is a quarter of) is the broker-fed samplers'."""
+    sp = Speeds()
+    sp.told("top", took(0, 1.0), 100, None, 1, [])
+    sp.told("below", took(0, 20.0), 100, "top", 1, [])
+    assert sp.best == {"top": 100.0} and sp.min_rate() == LEAVE_SHARE * 100.0
+    sp.told("top", took(1, 1.0, served=5.0), 100, None, 1, ["below"])  # 5 of its 100 B/s
+    assert sp.slow == {"top": (1, SLOW_VERSIONS)}
