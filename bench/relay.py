@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -172,14 +172,16 @@ def main() -> None:
     relay = Relay(
         (host, int(port)), args.delay_ms / 1000, args.loss, host=args.host, port=args.port
     )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     with relay:
         print(
             f"relaying {args.host}:{relay.port} -> {args.to}: {args.delay_ms:g} ms each way, "
             f"{args.loss:.1%} of segments lost (SIMULATED in user space); Ctrl-C stops",
             flush=True,
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+        stop.wait()
     print(relay.counts)
 
 
