@@ -25,6 +25,7 @@ MAX_GROUP_SIZE = 1024
 MAX_COMPLETION_TOKENS = 32768
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no slashes, no dots first: safe in paths
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+TICKET_PATTERN = r"^[0-9]{1,12}\.[0-9a-f]{64}$"  # a peer's ticket: EXPIRES.HMAC (rollout/peers.py)
 # Where a sampler serves weights to its peers: http, a host (name, IPv4 or [IPv6]), a port.
 PEER_URL_PATTERN = r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
 MAX_PROMPT_TOKENS = 1 << 17
@@ -558,14 +559,14 @@ class WeightSource(_Wire):
     url None, from the broker (`GET /v1/weights/{version}`)."""
 
     url: str | None = Field(None, pattern=PEER_URL_PATTERN)
-    ticket: str | None = Field(None, pattern=r"^[0-9]{1,12}\.[0-9a-f]{64}$")
+    ticket: str | None = Field(None, pattern=TICKET_PATTERN)
     min_rate: float | None = Field(
         None,
         ge=0,
         le=1e12,
         description="bytes/s: a peer slower than this once the sampler has read from it "
         "for a few seconds is left for the broker, unreported (it may be passing on a slow "
-        "arrival); about half what samplers got their last versions at",
+        "arrival); a quarter of the median rate samplers got versions from the broker at",
     )
 
 

@@ -176,7 +176,7 @@ class Speeds:
     def __init__(self):
         self.got: dict[tuple[int, str], float] = {}  # (version, sampler) -> bytes/s it got v at
         self.best: dict[str, float] = {}  # sampler -> the fastest it got a version from the broker
-        self.latest: dict[str, tuple[int, float]] = {}  # sampler -> (version, rate): the median
+        self.heard: dict[str, int] = {}  # sampler -> the last version it told of
         # (version, source) -> its takers' (taker, rate, takers of the source), until the
         # source's own report of that version comes
         self.pending: dict[tuple[int, str], list[tuple[str, float, int]]] = {}
@@ -203,7 +203,7 @@ class Speeds:
         self.got[(v, sampler)] = rate
         if source is None:  # a line's speed: only the broker's rates show it
             self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
-        self.latest[sampler] = (v, rate)
+        self.heard[sampler] = v
         if took.served is not None and takers:  # its own word
             could = min(rate, sum(self.best.get(t, rate) for t in takers))
             if min(took.served, MAX_RATE) < SLOW_SHARE * could:
@@ -257,11 +257,11 @@ class Speeds:
         """Version `old` is forgotten: so are reports of it, and samplers not heard since."""
         self.got = {k: r for k, r in self.got.items() if k[0] > old}
         self.pending = {k: p for k, p in self.pending.items() if k[0] > old}
-        for sampler in [s for s, (v, _) in self.latest.items() if v <= old]:
+        for sampler in [s for s, v in self.heard.items() if v <= old]:
             self.forget(sampler)
 
     def forget(self, sampler: str) -> None:
-        self.latest.pop(sampler, None)
+        self.heard.pop(sampler, None)
         self.best.pop(sampler, None)
         self.blamers.pop(sampler, None)
         self.slow.pop(sampler, None)

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from echorl.client import BrokerClient, BrokerError, TooSlow
-from echorl.protocol import Took, WeightVersion
+from echorl.protocol import TICKET_PATTERN, Took, WeightVersion
 from echorl.transfer import Partial
 
 log = logging.getLogger("echorl.peers")
@@ -40,7 +40,7 @@ KEEP = 2  # versions a sampler keeps to serve: the one it holds and the one arri
 PEER_TRIES = 3  # peers tried for one version before the broker
 MAX_READERS = 16  # connections a sampler serves at once (a version goes to peer_fanout)
 TICKET_S = 3600  # a ticket admits its holder for this long (a big version's resumed reads)
-TICKET = re.compile(r"[0-9]{1,12}\.[0-9a-f]{64}")  # EXPIRES.HMAC
+TICKET = re.compile(TICKET_PATTERN)
 RANGE = re.compile(r"bytes=([0-9]+)-$")
 
 

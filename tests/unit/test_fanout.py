@@ -161,7 +161,7 @@ def test_reports_about_sources_never_named_are_ignored():
     fan.source(0, SHA, "p", None, 100)
     fan.source(1, SHA, "a", None, 100, Took(version=0, seconds=1e4))  # a fetched no v0 here
     fan.source(1, SHA, "p", None, 100, Took(version=7, seconds=1e4))  # nor p a v7
-    assert fan.speeds.slow == {} and fan.speeds.latest == {}
+    assert fan.speeds.slow == {} and fan.speeds.heard == {}
 
 
 def test_a_shelf_times_its_peers_reads_while_any_is_reading():
