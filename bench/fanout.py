@@ -46,7 +46,7 @@ from bench.netns import HOST_IP, Net, unavailable  # noqa: E402
 from echorl.client import BrokerClient  # noqa: E402
 from echorl.models.tokenizer import RunTokenizer  # noqa: E402
 from echorl.protocol import SamplerInfo  # noqa: E402
-from echorl.rollout.peers import PeerServer, Shelf, obtain, reachable_host  # noqa: E402
+from echorl.rollout.peers import PeerServer, Shelf, obtain, reachable_host, with_served  # noqa: E402
 from echorl.transfer import Partial, apply_delta  # noqa: E402
 
 TRAINER, SAMPLER = "fanout-trainer", "fanout-sampler"
@@ -78,8 +78,7 @@ def fetcher(url: str, name: str, serve: bool, delta: bool) -> None:
                 source, fetched = "delta", len(patch)
             else:
                 if took and server:  # how fast it passed the last one on (as a sampler)
-                    rate = server.shelf.served_rate(held[2])
-                    took = took.model_copy(update={"served": rate})
+                    took = with_served(took, server.shelf, held[2])
                 got = obtain(client, info, part, name, took)
                 took = got.took
                 source, fetched = "peer" if got.peer else "broker", info.size_bytes

@@ -20,7 +20,7 @@ from safetensors.torch import load, load_file
 from echorl.client import BrokerClient, BrokerError
 from echorl.protocol import Took, WeightVersion
 from echorl.rollout.backend import Backend
-from echorl.rollout.peers import Shelf, obtain
+from echorl.rollout.peers import Shelf, obtain, with_served
 from echorl.transfer import Partial, apply_delta
 
 log = logging.getLogger("echorl.weights")
@@ -157,9 +157,7 @@ class WeightFollower:
         if self.took is None:
             return None
         took, sha256 = self.took
-        if self.shelf is None:
-            return took
-        return took.model_copy(update={"served": self.shelf.served_rate(sha256)})
+        return with_served(took, self.shelf, sha256)
 
     def _receive(self, info: WeightVersion, part: Partial) -> None:
         got = obtain(self.client, info, part, self.name, self.report())

@@ -88,6 +88,14 @@ def obtain(
     return Obtained(None, failures, timed(info.version, t0))
 
 
+def with_served(took: Took, shelf: Shelf | None, sha256: str) -> Took:
+    """`took`, with how fast this sampler passed that version (`sha256`) on to its peers,
+    if it serves them (`shelf`)."""
+    if shelf is None:
+        return took
+    return took.model_copy(update={"served": shelf.served_rate(sha256)})
+
+
 def timed(version: int, t0: float) -> Took:
     return Took(version=version, seconds=max(time.perf_counter() - t0, 1e-6))
 
