@@ -1,12 +1,14 @@
-"""Chaos: a decoupled async run (`echorl run`) while every role is killed with SIGKILL at
-random times, several times each (the broker, the trainer, each sampler), and the
-launcher's supervisor restarts it. Then, from the broker's database and the trainer's
-last checkpoint: every step trained exactly B groups, no group was trained twice, no
-acknowledged group was lost, and the run finished.
+"""Chaos: decoupled async runs (`echorl run`) while every role is killed with SIGKILL at
+random times, several times each (the broker, the trainer, each sampler), some kills
+landing inside a role's start-up (just after the launcher restarted it), and the
+launcher's supervisor restarts it. Then, per seed, from the broker's database and the
+trainer's last checkpoint: every step trained exactly B groups, no group was trained
+twice, no acknowledged group was lost, the run finished, and no process of it is left
+(counted by the sessions its roles ran in).
 
-    python bench/chaos.py [--steps 200] [--kills 3] [--seed 0] [--out runs/chaos]
+    python bench/chaos.py [--steps 200] [--kills 4] [--seeds 0-9] [--out runs/chaos]
 
-Prints the counts and writes OUT/chaos.json (and bench/results/chaos.json).
+Prints a table of seeds and writes OUT/chaos.json (and bench/results/chaos.json).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from rich.table import Table
 
 B, G = 4, 4
 ROLES = ("broker", "trainer", "sampler-0", "sampler-1")
+START_UP = 0.3  # the share of kills aimed inside a start-up: 0-0.5 s after a restart
 
 
-def children(pid: int) -> dict[str, int]:
-    """Role -> pid of the `echorl` children of the launcher `pid` (from /proc)."""
+def processes() -> dict[int, tuple[int, int, list[str]]]:
+    """pid -> (parent pid, session id, command line) of every process (from /proc)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -42,13 +45,19 @@ def children(pid: int) -> dict[str, int]:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != pid or b"echorl.cli" not in cmd:
+        fields = stat.rsplit(")", 1)[1].split()
+        found[int(entry.name)] = (int(fields[1]), int(fields[3]), [a.decode() for a in cmd])
+    return found
+
+
+def children(pid: int) -> dict[str, int]:
+    """Role -> pid of the `echorl` children of the launcher `pid`."""
+    found = {}
+    for child, (ppid, _, args) in processes().items():
+        if ppid != pid or "echorl.cli" not in args:
             continue
-        args = [a.decode() for a in cmd]
         verb = args[args.index("echorl.cli") + 1]
-        name = args[args.index("--name") + 1] if "--name" in args else verb
-        found[name] = int(entry.name)
+        found[args[args.index("--name") + 1] if "--name" in args else verb] = child
     return found
 
 
@@ -58,7 +67,6 @@ def check(out: Path, steps: int) -> dict:
         consumed = db.execute(
             "SELECT job_id, consumed_step FROM rollouts WHERE state = 'consumed'"
         ).fetchall()
-        states = dict(db.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state"))
     latest = (out / "checkpoints" / "LATEST").read_text().strip()
     state = torch.load(out / "checkpoints" / latest / "trainer_state.pt", weights_only=False)
     lineage = state["extra"]["consumed"]  # every group trained into the final model, in order
@@ -70,22 +78,44 @@ def check(out: Path, steps: int) -> dict:
         "groups_trained": len(lineage),
         "trained_twice": len(lineage) - len(set(lineage)),
         "lost": len(set(lineage) ^ at_broker),  # trained but not booked, or booked not trained
-        "rollouts": states,
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--kills", type=int, default=3, help="kills of each role")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/chaos")
-    ap.add_argument("--json", default="bench/results/chaos.json")
-    args = ap.parse_args()
-    out = Path(args.out)
-    if out.exists():
-        raise SystemExit(f"--out {out} exists: pick a fresh folder")
-    rng = random.Random(args.seed)
+def kill_on_plan(run: subprocess.Popen, plan: list[str], rng: random.Random, log) -> tuple:
+    """Kill each role of `plan` in turn, 1-3 s apart, or (a START_UP share) 0-0.5 s after it
+    came back from its last kill; returns (kills per role, the sessions the roles ran in)."""
+    kills: Counter = Counter()
+    sessions: set[int] = set()
+    restarted: dict[str, float] = {}
+    for role in plan:
+        in_start_up = role in restarted and rng.random() < START_UP
+        time.sleep(rng.uniform(0.0, 0.5) if in_start_up else rng.uniform(1.0, 3.0))
+        pids = children(run.pid)
+        while role not in pids and run.poll() is None:  # being restarted: catch it starting
+            time.sleep(0.05)
+            pids = children(run.pid)
+        if run.poll() is not None:
+            break
+        sessions |= set(pids.values())  # each role leads a session of its own
+        os.kill(pids[role], signal.SIGKILL)
+        kills[role] += 1
+        restarted[role] = time.monotonic()
+        log(f"kill -9 {role} (pid {pids[role]}{', starting' if in_start_up else ''})")
+    return kills, sessions
+
+
+def left_over(sessions: set[int], launcher: int) -> list[str]:
+    """The processes of the run still alive: in a role's session, or the launcher's children."""
+    return [
+        f"{pid} {' '.join(args)[:100]}"
+        for pid, (ppid, sid, args) in processes().items()
+        if sid in sessions or ppid == launcher
+    ]
+
+
+def one_seed(seed: int, args, console: Console) -> dict:
+    out = Path(args.out) / f"seed{seed}"
+    rng = random.Random(seed)
     overrides = [
         "broker.mode=async",
         "broker.port=0",
@@ -106,53 +136,87 @@ def main() -> None:
     cmd = [sys.executable, "-m", "echorl.cli", "run", "--out", str(out)]
     for o in overrides:
         cmd += ["-o", o]
-    console = Console()
-    console.print(f"chaos: {' '.join(cmd)}")
     t0 = time.monotonic()
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     plan = [role for role in ROLES for _ in range(args.kills)]
     rng.shuffle(plan)
-    kills: Counter = Counter()
-    # Wait for the swarm (after the warm-up) and its first steps, then kill on the plan.
-    while run.poll() is None and not (out / "metrics.jsonl").exists():
-        time.sleep(0.5)
-    for role in plan:
-        time.sleep(rng.uniform(1.0, 3.0))
-        if run.poll() is not None:
-            break
-        pids = children(run.pid)
-        while role not in pids and run.poll() is None:  # being restarted: wait for it
-            time.sleep(0.5)
-            pids = children(run.pid)
-        if role in pids:
-            os.kill(pids[role], signal.SIGKILL)
-            kills[role] += 1
-            console.print(f"  {time.monotonic() - t0:6.1f} s  kill -9 {role} (pid {pids[role]})")
-    printed = run.communicate()[0]
+    while run.poll() is None and not children(run.pid).keys() >= set(ROLES):  # after warm-up
+        time.sleep(0.2)
+
+    def log(what: str) -> None:
+        console.print(f"  seed {seed} {time.monotonic() - t0:6.1f} s  {what}")
+
+    kills, sessions = kill_on_plan(run, plan, rng, log)
+    try:
+        printed = run.communicate(timeout=args.timeout)[0]
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGTERM)
+        printed = run.communicate()[0] + f"\n(chaos: no end after {args.timeout} s)"
     wall = time.monotonic() - t0
+    time.sleep(2.0)  # a helper's parent-death signal is delivered at once; give it a moment
+    left = left_over(sessions, run.pid)
     books = check(out, args.steps) if run.returncode == 0 else {}
-    result = {
-        "steps": args.steps,
-        "B": B,
+    ok = bool(books) and books["steps_done"] == books["steps_with_B_groups"] == args.steps
+    ok = ok and not books["lost"] and not books["trained_twice"] and not left
+    if not ok:
+        console.print(printed[-3000:], markup=False)
+        console.print("\n".join(left), markup=False)
+    return {
+        "seed": seed,
+        "ok": ok,
         "exit_code": run.returncode,
-        "wall_s": wall,
+        "wall_s": round(wall, 1),
         "kills": dict(kills),
+        "left_over": len(left),
         **books,
     }
-    table = Table(title=f"chaos: {args.steps} async steps, each role killed {args.kills} times")
-    table.add_column("")
-    table.add_column("value")
-    for key, value in result.items():
-        table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
+
+
+def seeds(text: str) -> list[int]:
+    """'0-9' or '1,2,7' or '3'."""
+    if "-" in text:
+        lo, hi = text.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--kills", type=int, default=4, help="kills of each role")
+    ap.add_argument("--seeds", type=seeds, default=seeds("0-9"), help="e.g. 0-9 or 1,2,7")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per seed")
+    ap.add_argument("--out", default="runs/chaos")
+    ap.add_argument("--json", default="bench/results/chaos.json")
+    args = ap.parse_args()
+    if Path(args.out).exists():
+        raise SystemExit(f"--out {args.out} exists: pick a fresh folder")
+    console = Console()
+    results = [one_seed(seed, args, console) for seed in args.seeds]
+    table = Table(
+        title=f"chaos: {args.steps} async steps of B = {B}, each role killed {args.kills} times"
+    )
+    for column in ("seed", "finished", "steps", "B each", "trained twice", "lost", "left", "s"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            str(r["seed"]),
+            "yes" if r["exit_code"] == 0 else f"no ({r['exit_code']})",
+            str(r.get("steps_done", "-")),
+            str(r.get("steps_with_B_groups", "-")),
+            str(r.get("trained_twice", "-")),
+            str(r.get("lost", "-")),
+            str(r["left_over"]),
+            f"{r['wall_s']:.0f}",
+        )
     console.print(table)
-    if run.returncode != 0:
-        console.print(printed[-3000:], markup=False)
-    (out / "chaos.json").write_text(json.dumps(result, indent=2))
+    passed = sum(r["ok"] for r in results)
+    console.print(f"{passed} of {len(results)} seeds finished with the books balanced")
+    summary = {"steps": args.steps, "B": B, "kills_per_role": args.kills, "seeds": results}
+    Path(args.out, "chaos.json").write_text(json.dumps(summary, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    ok = books and books["steps_done"] == args.steps and not books["lost"]
-    ok = ok and not books["trained_twice"] and books["steps_with_B_groups"] == args.steps
-    raise SystemExit(0 if ok else 1)
+    Path(args.json).write_text(json.dumps(summary, indent=2))
+    raise SystemExit(0 if passed == len(results) else 1)
 
 
 if __name__ == "__main__":

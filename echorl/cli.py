@@ -442,6 +442,7 @@ def _sampler_backend(cfg: RunConfig):
             raise typer.Exit(2) from None
     if cfg.sampler.backend == "vllm":
         from echorl.broker.state import run_tokenizer
+        from echorl.rollout.backend import EngineRefused
 
         try:
             from echorl.rollout.vllm_backend import VLLMBackend
@@ -458,6 +459,9 @@ def _sampler_backend(cfg: RunConfig):
                 f"[red]sampler.backend = vllm:[/red] vLLM is not installed here ({e}); "
                 "see the README's Real engines for its install"
             )
+            raise typer.Exit(2) from None
+        except EngineRefused as e:
+            console.print(f"[red]sampler.backend = vllm:[/red] {escape(str(e))}")
             raise typer.Exit(2) from None
     import torch
 

@@ -212,9 +212,13 @@ class BrokerClient:
         version_held: int | None = None,
         tokens_per_s: float | None = None,
         fetch_s: float | None = None,
+        sha256_held: str | None = None,
     ) -> int:
         body = HeartbeatRequest(
-            version_held=version_held, tokens_per_s=tokens_per_s, fetch_s=fetch_s
+            version_held=version_held,
+            sha256_held=sha256_held,
+            tokens_per_s=tokens_per_s,
+            fetch_s=fetch_s,
         )
         path = f"/v1/samplers/{sampler_id}/heartbeat"
         return self._post(path, body, HeartbeatReply).latest_version
@@ -231,14 +235,17 @@ class BrokerClient:
         wait_s: float = 0.0,
         version_held: int | None = None,
         tokens_per_s: float | None = None,
+        sha256_held: str | None = None,
     ) -> LeaseReply:
         """Up to `n` jobs; with `wait_s`, the broker holds the call until one is admitted.
-        A lease is also a heartbeat: it may report the version held and the last speed."""
+        A lease is also a heartbeat: it may report the version held (and its weights'
+        sha256) and the last speed."""
         body = LeaseRequest(
             sampler_id=sampler_id,
             n=n,
             wait_s=wait_s,
             version_held=version_held,
+            sha256_held=sha256_held,
             tokens_per_s=tokens_per_s,
         )
         return self._post("/v1/jobs/lease", body, LeaseReply)

@@ -507,6 +507,13 @@ class StatusReply(_Wire):
 
 class HeartbeatRequest(_Wire):
     version_held: int | None = Field(None, ge=0, le=MAX_ID)
+    sha256_held: str | None = Field(
+        None,
+        pattern=SHA256_PATTERN,
+        description="the sha256 of `version_held`'s weights: a resumed trainer re-publishes "
+        "numbers with other weights, and the broker counts a sampler as holding only the "
+        "weights it publishes now",
+    )
     fetch_s: float | None = Field(
         None,
         ge=0.0,

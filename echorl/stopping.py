@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -55,6 +57,11 @@ class Stop(threading.Event):
 def die_with_parent() -> None:
     """Linux: the kernel kills this (helper) process when its parent dies, however it dies
     (SIGKILL, or a signal re-raised after a graceful stop, which runs no exit handlers): no
-    worker outlives the role it serves. Elsewhere a no-op (a pipe's EOF must end it)."""
+    worker outlives the role it serves. Elsewhere a no-op (a pipe's EOF must end it). A
+    parent that died before this call (a role killed while it starts its workers) is seen
+    here: the worker exits at once."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # orphaned already
+        os._exit(1)

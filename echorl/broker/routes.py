@@ -161,8 +161,10 @@ async def heartbeat(
 ) -> HeartbeatReply:
     caller.acts_as(sampler_id)
     now = time.time()
-    await st.write(st.store.heartbeat, sampler_id, now, body.version_held, body.tokens_per_s)
-    st.pace.fetched(body.version_held, body.fetch_s)
+    held, tps, foreign = body.version_held, body.tokens_per_s, st.foreign(body)
+    await st.write(st.store.heartbeat, sampler_id, now, held, tps, foreign)
+    if not foreign:
+        st.pace.fetched(body.version_held, body.fetch_s)
     return HeartbeatReply(latest_version=st.store.latest_version())
 
 
@@ -208,10 +210,11 @@ async def lease(
     caller.acts_as(body.sampler_id)
     b, g = st.cfg.broker, st.cfg.train.group_size
     max_held = b.max_leased_per_sampler or st.cfg.train.batch_prompts
+    foreign = st.foreign(body)
 
     def attempt():
         now = time.time()
-        st.store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s)
+        st.store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s, foreign)
         return st.store.lease(
             body.sampler_id,
             body.n,

@@ -31,6 +31,7 @@ from echorl.models.tokenizer import RunTokenizer, TokenizerError
 from echorl.protocol import (
     Arrival,
     GroupAudit,
+    HeartbeatRequest,
     NotFound,
     ProtocolError,
     RunInfo,
@@ -293,6 +294,14 @@ class BrokerState:
         if quarantined:
             self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again
         return quarantined
+
+    def foreign(self, beat: HeartbeatRequest) -> bool:
+        """Whether the weights a sampler says it holds are not those of that number here (a
+        resumed trainer re-published it with others); unsaid or forgotten: not foreign."""
+        if beat.version_held is None or beat.sha256_held is None:
+            return False
+        stored = self.stored_version(beat.version_held)
+        return stored is not None and stored.sha256 != beat.sha256_held
 
     def stored_version(self, version: int) -> WeightVersion | None:
         """`version`'s WeightVersion, or None (none yet, or forgotten by a rewind just now)."""

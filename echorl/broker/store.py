@@ -777,6 +777,10 @@ class BrokerStore(SwarmBook):
                 "required_version = NULL WHERE state = 'leased'"
             ).rowcount
             c.execute("UPDATE meta SET value = ? WHERE key = 'latest_version'", (keep_version,))
+            # Weights of forgotten versions are nobody's to pass on (peers are named by it).
+            c.execute(
+                "UPDATE samplers SET version_held = NULL WHERE version_held > ?", (keep_version,)
+            )
             c.execute(
                 "UPDATE meta SET value = (SELECT COUNT(*) FROM rollouts WHERE state = 'consumed') "
                 "WHERE key = 'consumed'"

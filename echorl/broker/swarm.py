@@ -183,7 +183,14 @@ class SwarmBook:
         now: float,
         version_held: int | None = None,
         tokens_per_s: float | None = None,
+        foreign: bool = False,
     ) -> None:
+        """The sampler is alive, holding `version_held` (None: as last told). A version it
+        cannot hold (newer than the latest: a resumed trainer forgot it; or `foreign`:
+        other weights under that number) counts as none, and the lease or heartbeat reply
+        names the latest, which the sampler then fetches: never an error, which would leave
+        it nothing to do but ask again."""
+
         def fn(c):
             row = c.execute("SELECT state FROM samplers WHERE id = ?", (sampler_id,)).fetchone()
             if row is None:
@@ -193,16 +200,12 @@ class SwarmBook:
             if row[0] == "quarantined":
                 raise quarantined(c, sampler_id)
             latest = c.execute("SELECT value FROM meta WHERE key = 'latest_version'").fetchone()
-            if version_held is not None and version_held > latest[0]:
-                raise ProtocolError(
-                    f"version_held {version_held} is newer than the latest published "
-                    f"({latest[0]}): a sampler holds only versions it downloaded"
-                )
+            gone = version_held is not None and (foreign or version_held > latest[0])
             c.execute(
-                "UPDATE samplers SET last_seen = ?, state = 'alive', "
-                "version_held = COALESCE(?, version_held), tokens_per_s = COALESCE(?, tokens_per_s) "
-                "WHERE id = ?",
-                (now, version_held, tokens_per_s, sampler_id),
+                "UPDATE samplers SET last_seen = ?, state = 'alive', version_held = CASE WHEN ? "
+                "THEN NULL ELSE COALESCE(?, version_held) END, "
+                "tokens_per_s = COALESCE(?, tokens_per_s) WHERE id = ?",
+                (now, gone, version_held, tokens_per_s, sampler_id),
             )
 
         self._tx(fn)

@@ -29,6 +29,7 @@ the protocol.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -131,6 +132,13 @@ class Swarm:
             )
         return role.proc
 
+    def reap(self, role: Role) -> None:
+        """Kill what is left of a dead role's process group (its helpers: parser and verifier
+        workers, multiprocessing's resource tracker), so nothing of it outlives it."""
+        if role.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(role.proc.pid, signal.SIGKILL)  # its own session: pgid == pid
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the trainer (it checkpoints), then the samplers (they hand back their leases)
         and auditors, then the broker; SIGKILL whatever is still there after `timeout`."""
@@ -144,6 +152,8 @@ class Swarm:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        for role in self.roles.values():
+            self.reap(role)
 
 
 def core_split(cfg: RunConfig) -> tuple[set[int], set[int]] | None:
@@ -393,6 +403,8 @@ def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
             for role in swarm.roles.values():
                 if role.retired or role.alive:
                     continue
+                if role is trainer and role.proc.returncode == 0 and not role.due:
+                    continue  # it finished since `dead` was read: the next round ends the run
                 if (code := supervise(swarm, role, cfg, console)) is not None:
                     return code
             show()
@@ -428,10 +440,13 @@ REFUSED = 2  # `echorl sampler`'s (and auditor's) exit code when the broker refu
 
 def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int | None:
     """A dead child: schedule its restart (backoff 1, 2, 4 ... 30 s), or start it when due; a
-    sampler the broker refused stays down. Returns 1 when one has died too often to go on."""
+    sampler the broker refused stays down. A broker that dies (or hangs) while it starts
+    died: the next round restarts it again, counted. Returns 1 when one has died too often
+    to go on."""
     now = time.monotonic()
     if not role.due:
         code = role.proc.returncode
+        swarm.reap(role)
         if role.name.startswith(("sampler-", "auditor-")) and code == REFUSED:
             role.retired = True
             console.print(
@@ -459,7 +474,13 @@ def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int
             role.args = (*role.args, "--resume")  # from its last checkpoint
         swarm.start(role)
         if role.name == "broker":
-            wait_healthy(swarm.url, role.proc)
+            try:
+                wait_healthy(swarm.url, role.proc)
+            except RuntimeError as e:
+                console.print(f"[yellow]the restarted broker did not come up: {e}")
+                if role.proc.poll() is None:  # hung: it is stopped, then counted as dead
+                    role.proc.kill()
+                    role.proc.wait()
     return None
 
 

