@@ -14,6 +14,7 @@ Prints a table of seeds and writes OUT/chaos.json (and bench/results/chaos.json)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -82,26 +83,43 @@ def check(out: Path, steps: int) -> dict:
 
 
 def kill_on_plan(run: subprocess.Popen, plan: list[str], rng: random.Random, log) -> tuple:
-    """Kill each role of `plan` in turn, 1-3 s apart, or (a START_UP share) 0-0.5 s after it
-    came back from its last kill; returns (kills per role, the sessions the roles ran in)."""
+    """Kill each role of `plan` in turn, 1-3 s apart; after a kill, a START_UP share of the
+    time, kill that role's next start too, 0-0.5 s after the launcher starts it (inside its
+    start-up), counted against its share of the plan. Returns (kills per role, the sessions
+    the roles ran in)."""
     kills: Counter = Counter()
     sessions: set[int] = set()
-    restarted: dict[str, float] = {}
-    for role in plan:
-        in_start_up = role in restarted and rng.random() < START_UP
-        time.sleep(rng.uniform(0.0, 0.5) if in_start_up else rng.uniform(1.0, 3.0))
-        pids = children(run.pid)
-        while role not in pids and run.poll() is None:  # being restarted: catch it starting
-            time.sleep(0.05)
-            pids = children(run.pid)
-        if run.poll() is not None:
-            break
-        sessions |= set(pids.values())  # each role leads a session of its own
-        os.kill(pids[role], signal.SIGKILL)
-        kills[role] += 1
-        restarted[role] = time.monotonic()
-        log(f"kill -9 {role} (pid {pids[role]}{', starting' if in_start_up else ''})")
+    plan = list(plan)
+    while plan and run.poll() is None:
+        role = plan.pop(0)
+        time.sleep(rng.uniform(1.0, 3.0))
+        pid, starting = kill(run, role, None, sessions), False
+        while pid is not None:
+            kills[role] += 1
+            log(f"kill -9 {role} (pid {pid}{', starting' if starting else ''})")
+            if role not in plan or rng.random() >= START_UP:
+                break
+            plan.remove(role)
+            pid, starting = kill(run, role, pid, sessions, rng.uniform(0.0, 0.5)), True
     return kills, sessions
+
+
+def kill(run, role: str, last: int | None, sessions: set[int], after: float = 0.0) -> int | None:
+    """SIGKILL `role`'s process once it runs under a pid other than `last` (the launcher
+    restarted it), `after` seconds after it appeared; its pid (None: the run ended)."""
+    pid = None
+    while run.poll() is None and pid in (None, last):
+        roles = children(run.pid)
+        sessions.update(roles.values())  # each role leads a session of its own
+        pid = roles.get(role)
+        if pid in (None, last):
+            time.sleep(0.05)
+    if run.poll() is not None:
+        return None
+    time.sleep(after)
+    with contextlib.suppress(ProcessLookupError):  # died on its own meanwhile: a kill of it
+        os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def left_over(sessions: set[int], launcher: int) -> list[str]:
@@ -137,7 +155,9 @@ def one_seed(seed: int, args, console: Console) -> dict:
     for o in overrides:
         cmd += ["-o", o]
     t0 = time.monotonic()
-    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    printed = Path(args.out) / f"seed{seed}.log"
+    with printed.open("w") as sink:
+        run = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
     plan = [role for role in ROLES for _ in range(args.kills)]
     rng.shuffle(plan)
     while run.poll() is None and not children(run.pid).keys() >= set(ROLES):  # after warm-up
@@ -147,11 +167,13 @@ def one_seed(seed: int, args, console: Console) -> dict:
         console.print(f"  seed {seed} {time.monotonic() - t0:6.1f} s  {what}")
 
     kills, sessions = kill_on_plan(run, plan, rng, log)
-    try:
-        printed = run.communicate(timeout=args.timeout)[0]
-    except subprocess.TimeoutExpired:
+    while run.poll() is None and time.monotonic() - t0 < args.timeout:
+        sessions.update(children(run.pid).values())  # the roles' last starts, too
+        time.sleep(0.5)
+    if run.poll() is None:
+        log(f"no end after {args.timeout:.0f} s: stopping it")
         run.send_signal(signal.SIGTERM)
-        printed = run.communicate()[0] + f"\n(chaos: no end after {args.timeout} s)"
+        run.wait()
     wall = time.monotonic() - t0
     time.sleep(2.0)  # a helper's parent-death signal is delivered at once; give it a moment
     left = left_over(sessions, run.pid)
@@ -159,7 +181,7 @@ def one_seed(seed: int, args, console: Console) -> dict:
     ok = bool(books) and books["steps_done"] == books["steps_with_B_groups"] == args.steps
     ok = ok and not books["lost"] and not books["trained_twice"] and not left
     if not ok:
-        console.print(printed[-3000:], markup=False)
+        console.print(printed.read_text()[-3000:], markup=False)
         console.print("\n".join(left), markup=False)
     return {
         "seed": seed,
@@ -192,6 +214,7 @@ def main() -> None:
     if Path(args.out).exists():
         raise SystemExit(f"--out {args.out} exists: pick a fresh folder")
     console = Console()
+    Path(args.out).mkdir(parents=True)
     results = [one_seed(seed, args, console) for seed in args.seeds]
     table = Table(
         title=f"chaos: {args.steps} async steps of B = {B}, each role killed {args.kills} times"

@@ -27,7 +27,7 @@ import torch
 from echorl.client import BrokerClient, BrokerRejected, BrokerUnavailable
 from echorl.config import RunConfig
 from echorl.metrics import MetricsLog
-from echorl.protocol import LeaseReply, SamplerInfo, ScoredGroup, WeightVersion
+from echorl.protocol import LeaseReply, RegisterReply, SamplerInfo, ScoredGroup, WeightVersion
 from echorl.rollout.backend import Backend
 from echorl.rollout.follow import WeightFollower
 from echorl.rollout.generate import rollout
@@ -234,16 +234,28 @@ class Sampler:
             else None,
         )
 
+    def join(self, stop: threading.Event, outage: Outage) -> RegisterReply | None:
+        """Register, waiting out a broker that does not answer (restarting, say: the launcher
+        starts roles in any order) until `stop`; None if stopped first."""
+        while not stop.is_set():
+            try:
+                return self.client.join(self.info())
+            except BrokerUnavailable as e:
+                outage.failed(e)
+                stop.wait(2.0)
+        return None
+
     def run(self, stop: threading.Event) -> None:
         """Lease, generate, push until `stop`. Raises BrokerRejected when the broker refuses
         this sampler: at registration (another tokenizer or task than the run's, too many
         samplers), or later (401/403: it was revoked)."""
-        terms = self.client.join(self.info())
+        outage = Outage(self.name)
+        if (terms := self.join(stop, outage)) is None:
+            return  # stopped before it could register
         sampler_id, self.max_body_bytes = terms.sampler_id, terms.max_body_bytes
         if self.peers:
             self.peers.secret = terms.peer_secret
         log.info("%s registered as %s", self.name, sampler_id)
-        outage = Outage(self.name)
         idle = stop.idle if isinstance(stop, Stop) else nullcontext
         while not stop.is_set():
             t0 = time.perf_counter()

@@ -64,9 +64,10 @@ def start_broker(data_dir, port, *overrides):
     raise AssertionError("broker did not start")
 
 
-def start_sampler(url, model, name, *args, inside=()):
+def start_sampler(url, model, name, *args, inside=(), log=None):
     """Start `echorl sampler` against `url` with one torch thread; returns the process.
-    `inside`: a command prefix it runs under (e.g. a network namespace's `ip netns exec`)."""
+    `inside`: a command prefix it runs under (e.g. a network namespace's `ip netns exec`);
+    `log`: an open file for what it prints (default: a pipe, read by `communicate`)."""
     env = os.environ | {"ECHORL_SAMPLER_TOKEN": SAMPLER}
     cmd = [
         *inside,
@@ -84,9 +85,8 @@ def start_sampler(url, model, name, *args, inside=()):
         "1",
         *args,
     ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    out = subprocess.PIPE if log is None else log
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 CREDENTIALS: dict[str, str] = {}  # sampler id -> the credential registration returned

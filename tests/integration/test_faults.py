@@ -143,15 +143,16 @@ def test_samplers_holding_versions_the_resumed_trainer_forgot_drop_them(tmp_path
     samplers = [start_sampler(url, model, n, "--metrics", str(m), *RUN) for n, m in metrics.items()]
     common = ("-o", f"train.steps={steps}", "-o", "train.checkpoint_every=4", *RUN)
     held = "SELECT MIN(version_held) FROM samplers WHERE state = 'alive'"
+    trainers = [start_trainer(url, model, out, *common)]
     try:
-        first = start_trainer(url, model, out, *common)
         wait_until(lambda: (query(data, held)[0][0] or 0) >= 6, what="samplers holding v6")
-        os.kill(first.pid, signal.SIGKILL)  # checkpoint 4 holds neither v5 nor v6
-        first.wait()
+        os.kill(trainers[0].pid, signal.SIGKILL)  # checkpoint 4 holds neither v5 nor v6
+        trainers[0].wait()
         ahead = query(data, held)[0][0]
-        resumed = start_trainer(url, model, out, *common, "--resume")
-        shown = finish(resumed, timeout=240)
+        trainers.append(start_trainer(url, model, out, *common, "--resume"))
+        shown = finish(trainers[1], timeout=240)  # before the fix: the samplers looped on 409
     finally:
+        stop_all(trainers)
         outs = stop_all(samplers)
         stop_broker(broker)
     assert "resumed at step 4" in shown, shown
