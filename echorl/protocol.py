@@ -249,11 +249,18 @@ class Completion(_Wire):
         return self
 
     @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The model's [start, end) spans (all of a single-turn completion; each turn of an
+        episode): the one definition of what the loss trains on and the audit checks (`mask`),
+        what the verifier reads (each span decoded) and where a stop token may only end."""
+        if self.turns is None:
+            return [(0, len(self.token_ids))]
+        return [(t.start, t.end) for t in self.turns]
+
+    @property
     def mask(self) -> list[int]:
         """1 on the model's tokens, 0 on the environment's."""
-        if self.turns is None:
-            return [1] * len(self.token_ids)
-        return turn_mask(len(self.token_ids), [(t.start, t.end) for t in self.turns])
+        return turn_mask(len(self.token_ids), self.spans)
 
 
 class ScoredGroup(_Wire):

@@ -10,7 +10,7 @@ store checks against the job, and the group's JSON, which is stored as it is and
 verifier parses in its own process. The server's process moves bytes and never builds a
 big group's token lists.
 
-    parser = PushParser(Limits.of(task, cfg))
+    parser = PushParser(Limits.of(task, cfg, codec))
     sampler_id, arrivals = await parser.parse(body, many=True)   # or (job id, why refused)
     parser.close()
 """
@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -37,6 +38,9 @@ from echorl.protocol import (
 from echorl.stopping import die_with_parent
 from echorl.tasks import Environment, Task, is_environment
 
+if TYPE_CHECKING:
+    from echorl.models.tokenizer import RunTokenizer
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -46,19 +50,25 @@ class Limits:
     max_new_tokens: int  # single-turn: tokens per completion
     max_turns: int = 0  # multi-turn: model turns per episode (0: single-turn)
     max_action_tokens: int = 0  # and tokens per turn
+    stops: frozenset[int] = frozenset()  # tokens that end generation (a completion, a turn)
 
     @classmethod
-    def of(cls, task: Task | Environment, cfg: RunConfig) -> Limits:
-        if is_environment(task):
-            return cls(task.name, 0, task.max_turns, task.max_action_tokens)
-        return cls(task.name, cfg.sampling.max_new_tokens or task.max_new_tokens)
+    def of(cls, task: Task | Environment, cfg: RunConfig, codec: RunTokenizer) -> Limits:
+        if is_environment(task):  # a turn ends at eos or at the action's newline (`play`)
+            stops = frozenset({codec.eos_id, codec.encode("\n")[-1]})
+            return cls(task.name, 0, task.max_turns, task.max_action_tokens, stops)
+        max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
+        return cls(task.name, max_new, stops=frozenset({codec.eos_id}))
 
     def check(self, group: ScoredGroup) -> None:
         """No completion longer than the run lets a sampler generate (Unprocessable): the
         task's `max_new_tokens` (or sampling.max_new_tokens), or for an environment its
         `max_turns` turns of `max_action_tokens` (observations are checked by replay). A
         single-turn task's completions carry no `turns`: all of it is the model's, so the
-        tokens scored are the tokens trained on and audited."""
+        tokens scored are the tokens trained on and audited. And a completion is only what
+        generation emits: a stop token (eos; a turn's newline) ends a completion or a
+        model turn, so none comes before its end (an answer behind a leading eos would be
+        scored, the decode dropping the eos, while the loss trained the eos first)."""
         for k, c in enumerate(group.completions):
             if self.max_turns:
                 turns = c.turns or []
@@ -68,6 +78,8 @@ class Limits:
                         f"completions[{k}]: {len(turns)} turns of {model} tokens, but "
                         f"{self.task} allows {self.max_turns} of {self.max_action_tokens}"
                     )
+                for n, (start, end) in enumerate(c.spans):
+                    self.stops_only_at_end(c.token_ids[start:end], f"completions[{k}] turn {n}")
             elif c.turns is not None:
                 # The loss and the audit train only a model turn's tokens; the verifier reads
                 # them all. Turns a single-turn task never makes would credit the model for
@@ -81,6 +93,18 @@ class Limits:
                     f"completions[{k}]: {len(c.token_ids)} tokens, but the run generates at "
                     f"most {self.max_new_tokens} (max_new_tokens)"
                 )
+            else:
+                self.stops_only_at_end(c.token_ids, f"completions[{k}]")
+
+    def stops_only_at_end(self, ids: list[int], where: str) -> None:
+        """Unprocessable when a stop token comes before the last of `ids`."""
+        if self.stops.isdisjoint(ids[:-1]):  # the common case, in C
+            return
+        early = next(i for i, t in enumerate(ids) if t in self.stops)
+        raise Unprocessable(
+            f"{where}: stop token {ids[early]} at position {early} of {len(ids)}: "
+            "generation ends at its first stop token, so none comes before the end"
+        )
 
 
 # The sampler's id, and each group's arrival or (its job id, why it is refused).

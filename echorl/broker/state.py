@@ -406,7 +406,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         raise
     # The task loaded here already; its workers start in the background (/healthz answers).
     verifier = VerifierPool(VerifierSpec.for_run(cfg, codec), cfg.verify.workers, wait=False)
-    parser = PushParser(Limits.of(task, cfg))
+    parser = PushParser(Limits.of(task, cfg, codec))
     metrics = Metrics()
     metrics.latest.set(store.latest_version())
     st = BrokerState(

@@ -49,7 +49,8 @@ def score_completion(
         return replay_episode(task, problem.seed, c, codec, k)
     if c.turns is not None:  # the broker refuses these on arrival; never score them
         raise ProtocolError(f"completions[{k}]: turns on single-turn task {task.name}")
-    return reward(task, problem, codec.decode(c.token_ids), format_reward, strict)
+    ((start, end),) = c.spans  # all of it: no turns
+    return reward(task, problem, codec.decode(c.token_ids[start:end]), format_reward, strict)
 
 
 def replay_episode(
@@ -58,7 +59,7 @@ def replay_episode(
     """The episode's return, replayed; ProtocolError if its transcript is not the game's."""
     if c.turns is None:
         raise ProtocolError(f"completions[{k}]: {env.name} is multi-turn; the turns are missing")
-    actions = [codec.decode(c.token_ids[t.start : t.end]) for t in c.turns]
+    actions = [codec.decode(c.token_ids[start:end]) for start, end in c.spans]
     try:
         rewards, observations, _ = env.replay(seed, actions)
     except Exception as e:  # the environment's own code on untrusted actions

@@ -79,6 +79,7 @@ def test_a_broker_killed_twice_while_it_restarts_the_run_goes_on(tmp_path, warm_
         for _ in range(2):
 
             def restarted():
+                assert run.poll() is None, run.communicate()[0]  # the launcher gave up
                 pid = bench.children(run.pid).get("broker")
                 return pid if pid not in (None, *killed) else None
 

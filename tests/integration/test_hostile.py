@@ -53,6 +53,75 @@ def right_answer(job) -> str:
     return str(int(a) + int(b))
 
 
+def push_both_ways(url, sid, body) -> str:
+    """Push `body` alone (asserting 422) and in a batch (asserting it refused); the reason."""
+    r = httpx.post(f"{url}/v1/rollouts", json={"sampler_id": sid, "group": body}, headers=as_(sid))
+    assert r.status_code == 422, r.text
+    batch = {"sampler_id": sid, "groups": [body]}
+    r2 = httpx.post(f"{url}/v1/rollouts/batch", json=batch, headers=as_(sid))
+    (result,) = r2.json()["results"]
+    assert r2.status_code == 200 and not result["stored"]
+    assert result["refused"] in r.text
+    return result["refused"]
+
+
+def test_a_stop_token_before_the_end_of_a_completion_is_refused(broker):
+    """Generation ends at its first eos, so no honest sampler sends a completion with one
+    before its end: `[eos] + answer + [eos]` was scored 1 (the decode drops the eos) while
+    the loss trained the eos first, and `answer + eos + "9" + eos` charged a right answer 0.
+    Both refused (422, alone or in a batch), nothing stored, the job still the sampler's."""
+    url, data = broker
+    publish(url, 0, b"w")
+    sid = register(url, "eos-launderer")
+    (job,) = lease(url, sid).json()["jobs"]
+    answer = CODEC.encode(right_answer(job))
+    for ids, early in [
+        ([EOS, *answer, EOS], 0),
+        ([*answer, EOS, *CODEC.encode("9"), EOS], len(answer)),
+    ]:
+        c = {"token_ids": ids, "logprobs": [-0.01] * len(ids), "finished": True}
+        body = group(job) | {
+            "completions": [group(job)["completions"][0], c],
+            "rewards": [0.0, 1.0],
+        }
+        why = push_both_ways(url, sid, body)
+        assert f"completions[1]: stop token {EOS} at position {early} of {len(ids)}" in why, why
+    assert query(data, "SELECT COUNT(*) FROM rollouts") == [(0,)]
+    assert query(data, "SELECT state FROM jobs WHERE job_id = ?", job["job_id"]) == [("leased",)]
+    honest = group(job, ids=[*answer, EOS], rewards=(1.0, 1.0))
+    r = httpx.post(
+        f"{url}/v1/rollouts", json={"sampler_id": sid, "group": honest}, headers=as_(sid)
+    )
+    assert r.status_code == 200 and r.json() == {"stored": True}
+
+
+def test_a_stop_token_before_the_end_of_a_model_turn_is_refused(tmp_path):
+    """Multi-turn: a model turn ends at eos or at its action's newline, so neither comes
+    before a turn's end (a Sokoban first turn starting with eos was accepted and rewarded)."""
+    data = tmp_path / "b"
+    proc, url = start_broker(data, free_port(), "-o", "task.name=sokoban")
+    try:
+        publish(url, 0, b"w")
+        sid = register(url, "turn-launderer", task="sokoban")
+        (job,) = lease(url, sid).json()["jobs"]
+        newline = CODEC.encode("\n")[-1]
+        move = CODEC.encode("right\n")
+        for ids, early in [([EOS, *move], (0, EOS)), ([*move, *move], (len(move) - 1, newline))]:
+            c = {
+                "token_ids": ids,
+                "logprobs": [-0.1] * len(ids),
+                "finished": False,
+                "turns": [{"start": 0, "end": len(ids), "version": 0}],
+            }
+            body = group(job) | {"completions": [c, c], "rewards": [1.0, 1.0]}
+            why = push_both_ways(url, sid, body)
+            position, token = early
+            assert f"turn 0: stop token {token} at position {position} of {len(ids)}" in why, why
+        assert query(data, "SELECT COUNT(*) FROM rollouts") == [(0,)]
+    finally:
+        stop_broker(proc)
+
+
 def test_reward_laundering_through_turns_is_refused(broker):
     """A single-turn task's completion that marks the right answer as environment tokens
     behind a lone eos (the model's only token) is refused, whole push or in a batch, and
