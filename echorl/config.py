@@ -9,6 +9,7 @@ Unknown keys are errors, so a typo never silently does nothing.
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -250,6 +251,13 @@ class BrokerConfig(_Section):
         "a fraction f < 1/2 of the fastest sampler's tokens/s leases about f x the jobs it "
         "asks for (at least 1), so a slow machine holds few jobs and its lease fits its speed",
     )
+    peer_hosts: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="networks (CIDR, e.g. 10.0.0.0/8) a sampler's peer_url may name besides "
+        "the address its registration came from (samplers behind a NAT that reach each other "
+        "on a LAN); link-local is refused always, loopback unless the broker is on loopback",
+    )
     peer_fanout: int = Field(
         2,
         ge=0,
@@ -360,6 +368,16 @@ class BrokerConfig(_Section):
         None,
         description="where samplers and trainer reach the broker; unset = http://host:port",
     )
+
+    @field_validator("peer_hosts")
+    @classmethod
+    def _networks(cls, nets: list[str]) -> list[str]:
+        for net in nets:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"{net!r} is not a network (e.g. 10.0.0.0/8)") from None
+        return nets
 
     @property
     def address(self) -> str:
@@ -494,7 +512,8 @@ class SamplerConfig(_Section):
         None,
         pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253})$",
         description="serve_peers: the address peers reach this sampler at; unset = the "
-        "address this machine reaches the broker from",
+        "address this machine reaches the broker from (the broker takes another only in "
+        "its broker.peer_hosts)",
     )
     lease_wait_s: float = Field(
         2.0,

@@ -133,11 +133,17 @@ def make_delta(old: bytes, new: bytes) -> bytes | None:
 
 
 def apply_delta(old: bytes, delta: bytes) -> bytes:
-    """The version `delta` was made for, from `old`; ValueError if it does not fit."""
+    """The version `delta` was made for, from `old`; ValueError if it does not fit. Inflated
+    at most to what a delta of `old` can be (every word changed: 8 + 3 x its bytes), so a
+    zlib bomb costs its first bytes past that, not the memory it asks for."""
+    most = 8 + 3 * len(old)
+    inflate = zlib.decompressobj()
     try:
-        raw = zlib.decompress(delta)
+        raw = inflate.decompress(delta, most + 1)
     except zlib.error as e:
         raise ValueError(f"not a delta: {e}") from None
+    if len(raw) > most or inflate.unconsumed_tail:
+        raise ValueError(f"a delta inflating past {most} bytes, the most one of these weights is")
     n = int.from_bytes(raw[:8], "little")
     if len(raw) != 8 + 6 * n:
         raise ValueError("a delta of the wrong length")

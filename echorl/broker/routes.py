@@ -119,6 +119,8 @@ async def register(
 ) -> RegisterReply:
     st.check_peer("sampler", info.tokenizer, info.task)
     address = request.client.host if request.client else ""
+    if info.peer_url:
+        st.check_peer_url(info.peer_url, address)
     st.may_register(caller.operator, address)
     credential, secret = new_credential()
     sampler_id = await st.write(

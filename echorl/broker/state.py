@@ -6,6 +6,7 @@ checked, so a broker that cannot serve its run refuses to start with the reason.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -37,6 +39,7 @@ from echorl.protocol import (
     RunInfo,
     ScoredGroup,
     TooMany,
+    Unprocessable,
     WeightVersion,
 )
 from echorl.rollout.verify import StoredGroup, Verdict, VerifierPool, VerifierSpec
@@ -202,6 +205,29 @@ class BrokerState:
                     f"(broker.registrations_per_minute); try again in {wait:.0f} s",
                     retry_after=wait,
                 )
+
+    def check_peer_url(self, peer_url: str, address: str) -> None:
+        """Unprocessable unless `peer_url` names the address the registration came from, or
+        a network in `broker.peer_hosts`; link-local never (a cloud's metadata service),
+        loopback only where the broker is itself on loopback. Honest samplers would be sent
+        wherever a sampler's peer_url points."""
+        host = urlsplit(peer_url).hostname or ""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise Unprocessable(
+                f"peer_url {peer_url}: name the host by its IP address (the one this "
+                f"sampler reaches the broker from, {address})"
+            ) from None
+        broker_on_loopback = self.cfg.broker.host in ("localhost", "127.0.0.1", "::1")
+        if ip.is_link_local or (ip.is_loopback and not broker_on_loopback):
+            raise Unprocessable(f"peer_url {peer_url}: {host} is not an address peers can reach")
+        allowed = [ipaddress.ip_network(n, strict=False) for n in self.cfg.broker.peer_hosts]
+        if _plain(ip) != _plain(address) and not any(ip in net for net in allowed):
+            raise Unprocessable(
+                f"peer_url {peer_url}: not the address this registration came from "
+                f"({address}); a sampler behind a NAT is allowed by broker.peer_hosts"
+            )
 
     def auditors_alive(self) -> int:
         """Auditors heard from within `broker.sampler_timeout`."""
@@ -447,3 +473,13 @@ def build_state(cfg: RunConfig) -> BrokerState:
     for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group)
     return st
+
+
+def _plain(address) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An address as one IP (an IPv4 address mapped into IPv6 as the IPv4 one); None if
+    it is none."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip

@@ -522,3 +522,31 @@ def test_a_heartbeat_flood_is_rate_limited_and_claims_are_checked(broker):
     assert status.status_code == 200
     assert codes.count(200) <= 100 * took + 200  # the rate (100/s) and its burst
     assert p50 < 0.05 and status_s < 1.0
+
+
+def test_a_peer_url_must_be_where_the_sampler_registered_from(tmp_path):
+    """Honest samplers are sent to fetch weights wherever a sampler's peer_url points: a
+    cloud's metadata service (link-local), another host, a name: 422, nothing registered.
+    The address the registration came from is accepted (here loopback: the broker is on
+    loopback), and a network the operator allows (broker.peer_hosts) too."""
+    data = tmp_path / "b"
+    proc, url = start_broker(data, free_port(), "-o", "broker.peer_hosts=[10.0.0.0/8]")
+    try:
+        refused = {
+            "http://169.254.169.254:80": "169.254.169.254 is not an address peers can reach",
+            "http://192.168.1.7:9000": "not the address this registration came from (127.0.0.1)",
+            "http://peer.example:9000": "name the host by its IP address",
+        }
+        for peer_url, why in refused.items():
+            r = httpx.post(
+                f"{url}/v1/samplers",
+                json={"name": "p", **IDENTITY, "peer_url": peer_url},
+                headers={"Authorization": f"Bearer {SAMPLER}"},
+            )
+            assert r.status_code == 422 and why in r.text, (peer_url, r.text)
+        assert query(data, "SELECT COUNT(*) FROM samplers") == [(0,)]
+        for n, peer_url in enumerate(["http://127.0.0.1:9000", "http://10.1.2.3:9000"]):
+            assert register(url, f"ok{n}", peer_url=peer_url)
+        assert query(data, "SELECT COUNT(*) FROM samplers") == [(2,)]
+    finally:
+        stop_broker(proc)

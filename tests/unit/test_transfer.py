@@ -203,3 +203,31 @@ def test_a_peer_under_the_brokers_min_rate_is_left_for_the_broker(monkeypatch):
             client.receive(info, Partial(SHA, len(BLOB)), peer)
         assert time.monotonic() - t0 < 3
     server.shutdown()
+
+
+def test_a_delta_round_trips_and_a_zlib_bomb_is_refused_before_it_inflates():
+    """A delta is applied to the held bytes; one that inflates past the most a delta of
+    those weights can be (every word changed) is refused at that bound: a 509 KiB bomb
+    once cost a sampler +1 GB before it was refused."""
+    import tracemalloc
+    import zlib
+
+    import numpy as np
+
+    from echorl.transfer import apply_delta, make_delta
+
+    old = np.arange(4096, dtype="<u2").tobytes()
+    words = np.frombuffer(old, "<u2").copy()
+    words[[3, 700, 4000]] += 1
+    new = words.tobytes()
+    delta = make_delta(old, new)
+    assert delta is not None and apply_delta(old, delta) == new
+    bomb = zlib.compress(bytes(200 << 20), 9)  # 200 MiB of zeros in ~200 KiB
+    tracemalloc.start()
+    with pytest.raises(ValueError, match="inflating past 24584 bytes"):
+        apply_delta(old, bomb)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20  # the bound's bytes, not the bomb's
+    with pytest.raises(ValueError, match="not a delta"):
+        apply_delta(old, b"not zlib at all")
