@@ -25,6 +25,7 @@ import re
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -39,6 +40,8 @@ CHUNK = 1 << 20  # bytes per write to a peer
 KEEP = 2  # versions a sampler keeps to serve: the one it holds and the one arriving
 PEER_TRIES = 3  # peers tried for one version before the broker
 MAX_READERS = 16  # connections a sampler serves at once (a version goes to peer_fanout)
+MAX_PER_ADDRESS = MAX_READERS // 2  # of them from one address
+HEAD_S = 5.0  # a connection's request head must be in this long after it opens (or idles)
 TICKET_S = 3600  # a ticket admits its holder for this long (a big version's resumed reads)
 TICKET = re.compile(TICKET_PATTERN)
 RANGE = re.compile(r"bytes=([0-9]+)-$")
@@ -180,7 +183,22 @@ class PeerServer:
             def log_message(self, *args) -> None:  # not on stderr: the sampler's log is for people
                 log.debug("peer: " + args[0], *args[1:])
 
+            def handle_one_request(self) -> None:
+                # The socket timeout is per read: a byte every 20 s would hold a slot for
+                # ever. The whole head must be in within HEAD_S, or the connection is cut.
+                self.head = threading.Timer(HEAD_S, self.cut)
+                self.head.start()
+                try:
+                    super().handle_one_request()
+                finally:
+                    self.head.cancel()
+
+            def cut(self) -> None:
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                self.head.cancel()  # the head is in: the body may take as long as it takes
                 server.serve(self)
 
         self.shelf = shelf
@@ -250,18 +268,28 @@ BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: cl
 
 
 class _Bounded(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_READERS at once: more are answered 503 and closed
-    (the reader goes to the broker without reporting this peer: a flood of connections from
-    anyone costs a sampler no more threads, and no standing with the broker)."""
+    """A thread per connection, at most MAX_READERS at once and MAX_PER_ADDRESS of them from
+    one address: more are answered 503 and closed (the reader goes to the broker without
+    reporting this peer: a flood of connections from anyone costs a sampler no more threads,
+    and no standing with the broker)."""
 
     daemon_threads = True
 
     def __init__(self, *args):
         super().__init__(*args)
         self.slots = threading.BoundedSemaphore(MAX_READERS)
+        self.lock = threading.Lock()
+        self.per_address: Counter[str] = Counter()
 
     def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
+        address = client_address[0]
+        with self.lock:
+            room = self.per_address[address] < MAX_PER_ADDRESS
+            if room:
+                self.per_address[address] += 1
+        if not (room and self.slots.acquire(blocking=False)):
+            if room:
+                self._leave(address)
             with contextlib.suppress(OSError):  # busy: no thread, one write, closed
                 request.sendall(BUSY)
             self.shutdown_request(request)
@@ -270,6 +298,7 @@ class _Bounded(ThreadingHTTPServer):
             super().process_request(request, client_address)
         except BaseException:
             self.slots.release()
+            self._leave(address)
             raise
 
     def process_request_thread(self, request, client_address) -> None:
@@ -277,6 +306,13 @@ class _Bounded(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+            self._leave(client_address[0])
+
+    def _leave(self, address: str) -> None:
+        with self.lock:
+            self.per_address[address] -= 1
+            if not self.per_address[address]:
+                del self.per_address[address]
 
 
 def reachable_host(broker_url: str) -> str:

@@ -180,6 +180,44 @@ def test_a_flood_of_connections_gets_no_more_than_max_readers_threads_and_a_503(
         wait_for(lambda: httpx.get(target, headers=auth).status_code == 404)  # slots free
 
 
+def test_connections_that_trickle_their_head_are_cut_and_one_address_holds_half_the_slots():
+    """A byte every second never trips a read timeout: 20 such sockets kept a peer answering
+    503 for 40 s. A head must be whole within HEAD_S; and one address holds at most
+    MAX_PER_ADDRESS connections, so it cannot take every slot even while it lasts."""
+    from echorl.rollout.peers import HEAD_S, MAX_PER_ADDRESS
+
+    with PeerServer(Shelf(), "127.0.0.1") as server:
+        server.secret = "s3cret"
+        trickling = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(1.0):
+                for conn in trickling:
+                    with contextlib.suppress(OSError):
+                        conn.send(b"G")
+
+        threading.Thread(target=trickle, daemon=True).start()
+        try:
+            time.sleep(0.5)
+            answered = []
+            for conn in trickling:
+                conn.settimeout(HEAD_S + 3)
+                try:
+                    answered.append(conn.recv(100))  # 503 (over the cap), or b"" once cut
+                except OSError as e:
+                    answered.append(repr(e).encode())
+            busy = sum(a.startswith(b"HTTP/1.1 503") for a in answered)
+            assert busy == 20 - MAX_PER_ADDRESS and answered.count(b"") == MAX_PER_ADDRESS
+            auth = {"Authorization": f"Bearer {ticket('s3cret', SHA)}"}
+            target = f"{server.url('127.0.0.1')}/v1/peer/weights/{SHA}"
+            assert httpx.get(target, headers=auth, timeout=5).status_code == 404  # served again
+        finally:
+            stop.set()
+            for conn in trickling:
+                conn.close()
+
+
 def wait_for(predicate, timeout=10.0):
     t0 = time.monotonic()
     while not predicate():
