@@ -870,8 +870,11 @@ def main() -> None:
     finally:
         # The interpreter's last garbage collection walks every object a role has loaded
         # (torch, transformers: over a second on 2 cores, each time a sampler or trainer
-        # exits). Everything is closed by now; the process's end frees the memory.
-        gc.freeze()
+        # exits). Everything is closed by now; the process's end frees the memory. Not with
+        # triton loaded (vLLM): its nanobind bindings print hundreds of "leaked" lines when
+        # their objects outlive the interpreter.
+        if "triton" not in sys.modules:
+            gc.freeze()
 
 
 if __name__ == "__main__":
