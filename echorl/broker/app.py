@@ -69,6 +69,7 @@ async def expire_forever(st: BrokerState) -> None:
             st.jobs_bell.ring()
         for sampler_id in await st.write(st.store.prune, time.time(), b.sampler_retention_s):
             st.auth.forget(sampler_id)
+            st.standing.forget(sampler_id)
         st.groups_bell.ring()
         st.audits_bell.ring()
 

@@ -133,6 +133,7 @@ async def register(
         address,
     )
     st.auth.admit(sampler_id, secret)
+    st.standing.joined(sampler_id, caller.operator)
     log.info(
         "sampler %s registered: %s (%s)%s",
         sampler_id,
@@ -252,7 +253,7 @@ async def push(request: Request, caller: Caller = SAMPLER, st: BrokerState = Sta
     now = time.time()
     seed = await st.write(st.store.push, sampler_id, group, now)
     if seed is not None:
-        st.verify_later(seed, now, group, sampler_id)
+        st.verify_later(seed, now, group, st.standing.turn(sampler_id))
     return PushReply(stored=seed is not None)
 
 
@@ -272,7 +273,7 @@ async def push_many(
     outcome = await st.write(st.store.push_many, sampler_id, sized, now)
     for group, ok in zip(sized, outcome):
         if isinstance(ok, int):
-            st.verify_later(ok, now, group, sampler_id)
+            st.verify_later(ok, now, group, st.standing.turn(sampler_id))
         refused = ok if isinstance(ok, str) else None
         results[group.job_id] = PushResult(
             job_id=group.job_id, stored=isinstance(ok, int), refused=refused

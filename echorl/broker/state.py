@@ -10,7 +10,7 @@ import ipaddress
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +24,7 @@ from echorl.broker.auth import Auth, RateLimit
 from echorl.broker.capacity import Pace
 from echorl.broker.fanout import FanOut
 from echorl.broker.intake import Limits, PushParser
+from echorl.broker.standing import Standing
 from echorl.broker.store import Admission, BrokerStore, Probation
 from echorl.broker.swarm import Quarantine
 from echorl.broker.weights import WeightStore
@@ -179,6 +180,7 @@ class BrokerState:
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
     fanout: FanOut  # which sampler fetches a weight version from whom
     pace: Pace  # the trainer's steps and the versions' spread, for capacity figures
+    standing: Standing  # who is proven (leases, verifier turns): broker/standing.py
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
     # Registrations per enrolment token and per client address (a sybil's identities).
     registrations: RateLimit = field(default_factory=lambda: RateLimit(0, 1))
@@ -192,7 +194,8 @@ class BrokerState:
         b, batch = self.cfg.broker, self.cfg.train.batch_prompts
         if b.first_lease >= (b.max_leased_per_sampler or batch):
             return None
-        return Probation(b.first_lease, b.newcomer_jobs or max(1, batch // 4))
+        newcomers = b.newcomer_jobs or max(1, batch // 4)
+        return Probation(b.first_lease, newcomers, self.standing.proven_tokens)
 
     def may_register(self, operator: str, address: str) -> None:
         """TooMany (with when to try again) beyond `broker.registrations_per_minute` from
@@ -264,12 +267,13 @@ class BrokerState:
         return await asyncio.wrap_future(self.writer.trainer.submit(fn, *args))
 
     def verify_later(
-        self, seed: int, created: float, group: Arrival | ScoredGroup, who: str = ""
+        self, seed: int, created: float, group: Arrival | ScoredGroup, who: Hashable = ""
     ) -> None:
         """Score a stored group in the verifier pool: the sampler's claims are never trusted.
-        (Its token ids were checked against the vocabulary when it was stored.) `who`: the
-        sampler that pushed it; the pool serves samplers in turn, so one whose groups hang
-        the verifier delays nobody else's."""
+        (Its token ids were checked against the vocabulary when it was stored.) `who`: its
+        turn in the pool (`Standing.turn` of the sampler that pushed it); the pool serves
+        turns in order, proven ones first, so one whose groups hang the verifier delays
+        nobody else's, and unproven identities wait behind proven work."""
         completions = (
             StoredGroup(group.body, group.group_size)  # parsed by the worker that scores it
             if isinstance(group, Arrival)
@@ -302,7 +306,8 @@ class BrokerState:
         self.metrics.verifier_busy.set(self.verifier.utilisation())
         if ready:
             self.groups_bell.ring()
-        if promoted:  # a newcomer's first delivered group: it may lease from the budget now
+        if promoted and not self.standing.proven_tokens:  # proven by its first scored group
+            self.standing.observe(self.store.standing_rows())
             self.jobs_bell.ring()
         if refused:
             self.jobs_bell.ring()
@@ -316,9 +321,11 @@ class BrokerState:
         quarantined = dict(self.store.audit(groups, policy, step))
         for sampler_id in quarantined:
             self.fanout.forget(sampler_id)
+            self.standing.forget(sampler_id)
+        self.standing.observe(self.store.standing_rows())
         self.metrics.quarantined.inc(len(quarantined))
-        if quarantined:
-            self.jobs_bell.ring()  # their leases and dropped groups' jobs are queued again
+        # Their leases and dropped groups' jobs are queued again, or newcomers were proven.
+        self.jobs_bell.ring()
         return quarantined
 
     def foreign(self, beat: HeartbeatRequest) -> bool:
@@ -469,9 +476,11 @@ def build_state(cfg: RunConfig) -> BrokerState:
         push_slots=asyncio.Semaphore(b.push_slots),
         fanout=FanOut(b.peer_fanout),
         pace=Pace(),
+        standing=Standing(cfg.quarantine.min_tokens if cfg.quarantine.enabled else 0),
     )
+    st.standing.observe(store.standing_rows())
     for _, created, seed, group in store.scoring():  # stored before a restart
-        st.verify_later(seed, created, group)
+        st.verify_later(seed, created, group, st.standing.turn(group.sampler or ""))
     return st
 
 

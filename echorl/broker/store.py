@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from echorl.broker.standing import is_proven
 from echorl.broker.swarm import RETRY, SwarmBook, quarantined
 from echorl.protocol import (
     MAX_PROMPT_TOKENS,
@@ -132,12 +133,22 @@ class Admission:
 
 @dataclass(frozen=True)
 class Probation:
-    """What a sampler that has not delivered yet may lease: `first` jobs, one more per group
-    it delivers; all such newcomers together hold at most `newcomers` jobs, beyond the
-    admission budget, so fresh identities that never push cannot stall the trainer."""
+    """What a sampler may lease by what it has proven. Unproven, it is a newcomer: its jobs
+    are extra, beyond the admission budget, and all newcomers together hold at most
+    `newcomers` of them, so no identity the trainer has not checked ever holds a job the
+    trainer waits for (fresh identities that never push, or push one junk group and then
+    hoard, cannot stall it). Proven: the trainer audited `proven_tokens` of its tokens
+    without quarantining it (the audit recomputes their log-probs: real compute, which an
+    identity cannot fake); with the audit off (`proven_tokens` 0), a group of it was
+    scored. Either way it holds at most `first` jobs, one more per group it delivered; a
+    lease of it that runs out halves that count (a lapse costs some standing, not all)."""
 
     first: int = 1
     newcomers: int = 1
+    proven_tokens: int = 0
+
+    def proven(self, delivered: int, audited_tokens: float) -> bool:
+        return is_proven(self.proven_tokens, delivered, audited_tokens)
 
 
 def fair_share(n: int, speed: float | None, fastest: float | None) -> int:
@@ -378,8 +389,9 @@ class BrokerStore(SwarmBook):
         def fn(c):
             nonlocal n, required_version
             row = c.execute(
-                "SELECT s.state, MAX(s.barred_until, COALESCE(o.barred_until, 0)), s.delivered "
-                "FROM samplers s LEFT JOIN operators o ON o.name = s.operator WHERE s.id = ?",
+                "SELECT s.state, MAX(s.barred_until, COALESCE(o.barred_until, 0)), s.delivered, "
+                "s.audit_total FROM samplers s LEFT JOIN operators o ON o.name = s.operator "
+                "WHERE s.id = ?",
                 (sampler_id,),
             ).fetchone()
             if row is not None and row[0] == "quarantined":
@@ -399,11 +411,11 @@ class BrokerStore(SwarmBook):
                     (sampler_id,),
                 ).fetchone()
                 n = fair_share(n, mine, fastest)
-            newcomer = probation is not None and row[2] == 0
+            newcomer = probation is not None and not probation.proven(row[2], row[3])
             if max_held is not None:
                 n = min(n, max_held - held)
             if probation is not None:
-                n = min(n, probation.first + row[2] - held)
+                n = min(n, probation.first + row[2] - held)  # grows with what it delivered
             if admit is not None:
                 latest = c.execute(
                     "SELECT value FROM meta WHERE key = 'latest_version'"
@@ -643,11 +655,18 @@ class BrokerStore(SwarmBook):
         (= step - max_staleness) are dropped; of the rest, those of `min_version` come first
         (the last step they may be used at: taking them wastes no generation), then the
         freshest. A repeated `request_id` (a retry whose answer was
-        lost) gets the same groups again. Returns the groups (`raw`: their JSON, as served)
-        and how many this call dropped."""
+        lost) gets the same groups again. Every pull renews the lease of the groups pulled
+        before it: the one trainer still holds them while it pulls the rest of a batch (a
+        partial batch's groups whose lease ran out meanwhile were offered again, and trained
+        twice). Returns the groups (`raw`: their JSON, as served) and how many this call
+        dropped."""
         make = served if raw else _with_rewards
 
         def fn(c):
+            c.execute(
+                "UPDATE rollouts SET pull_deadline = ? WHERE state = 'pulled'",
+                (now + lease_seconds,),
+            )
             select = "SELECT job_id, body, rewards, sampler_id FROM rollouts r "
             if request_id is not None:
                 rows = c.execute(

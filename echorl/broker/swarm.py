@@ -5,8 +5,9 @@ transactions; here because it is its own subject.
 Sampler lifecycle: alive --silent for sampler_timeout--> lost --a call--> alive
                    alive --leave--> left;  --revoke--> revoked;  --audit--> quarantined
                    left and lost rows are forgotten after a retention (`prune`)
-Probation: a sampler that has delivered nothing holds few jobs, outside the trainer's budget
-(`BrokerStore.lease`); a lease of it that runs out unpushed starts it over (`expire`).
+Probation: a sampler the trainer has not audited enough holds few jobs, outside the
+trainer's budget (`store.Probation`); a lease of it that runs out unpushed bars it a lease
+period and halves the count its leases grow by (`expire`).
 Operators: samplers registered with an operator's own enrolment token share its audit sums
 and its hoarding bar, so a new identity escapes neither (`_judge_operators`).
 """
@@ -210,6 +211,16 @@ class SwarmBook:
 
         self._tx(fn)
 
+    def standing_rows(self) -> list[tuple[str, str, int, float]]:
+        """(id, operator, groups delivered, audited tokens) of every sampler alive or lost:
+        what `standing.Standing` is made of."""
+        return self._tx(
+            lambda c: c.execute(
+                "SELECT id, operator, delivered, audit_total FROM samplers "
+                "WHERE state IN ('alive', 'lost')"
+            ).fetchall()
+        )
+
     def leave(self, sampler_id: str) -> int:
         """A sampler leaves: its leased jobs go back to the queue at once (no attempt counted).
         Returns how many were returned."""
@@ -229,9 +240,10 @@ class SwarmBook:
     def expire(self, now: float, sampler_timeout: float, bar_s: float = 0.0) -> tuple[int, int]:
         """Mark silent samplers lost and return expired leases to the queue. A sampler whose
         lease ran out may lease nothing for `bar_s` (one that hoards leases and never pushes
-        holds jobs one lease period, then waits one), and starts its probation over; so do
-        all samplers of its operator (a new identity escapes neither). Returns (leases
-        returned, samplers lost)."""
+        holds jobs one lease period, then waits one), and the count its leases grow by is
+        halved (one lapse of a proven sampler costs some standing, not all: before, it
+        started over as a newcomer); all samplers of its operator are barred too (a new
+        identity escapes neither). Returns (leases returned, samplers lost)."""
 
         def fn(c):
             lost = c.execute(
@@ -245,7 +257,8 @@ class SwarmBook:
                 (now + bar_s, now),
             )
             c.execute(
-                f"UPDATE samplers SET barred_until = ?, delivered = 0 WHERE id IN ({expired})",
+                f"UPDATE samplers SET barred_until = ?, delivered = delivered / 2 "
+                f"WHERE id IN ({expired})",
                 (now + bar_s, now),
             )
             returned = c.execute(

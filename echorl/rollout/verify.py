@@ -120,31 +120,44 @@ class _Job:
 
 class _Turns:
     """The pool's queue: jobs per key, each `take` a batch of the next key's oldest ones, so
-    one submitter's pile never stands in front of another submitter's group."""
+    one submitter's pile never stands in front of another submitter's group. A key that is
+    a (tier, group, who) tuple is served by tiers (every lower tier's job first), then its
+    groups in turn, then each group's submitters in turn: the broker's keys are (0, id,
+    id) for proven samplers and (1, operator, id) for the rest, so unproven identities wait
+    behind proven work and all of one operator's take one turn (`broker.standing`). Any
+    other key is (0, key, key)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._keys: OrderedDict[Hashable, deque[_Job]] = OrderedDict()  # next turn first
+        # tier -> group -> who -> jobs; dicts in turn order (next turn first)
+        self._tiers: dict[int, OrderedDict[Hashable, OrderedDict[Hashable, deque[_Job]]]] = {}
         self._size = 0
         self._closed = False
 
     def put(self, job: _Job) -> None:
+        tier, group, who = _place(job.key)
         with self._cond:
-            self._keys.setdefault(job.key, deque()).append(job)
+            groups = self._tiers.setdefault(tier, OrderedDict())
+            groups.setdefault(group, OrderedDict()).setdefault(who, deque()).append(job)
             self._size += 1
             self._cond.notify()
 
     def put_back(self, jobs: list[_Job]) -> None:
-        """One key's jobs, ahead of its others, but the key's turn after every other key's:
-        its worker just gave up on a call, which another key should not wait for again."""
+        """One key's jobs, ahead of its others, but the key's (and its group's) turn after
+        every other's: its worker just gave up on a call, which another should not wait for
+        again."""
         if not jobs:
             return
+        key = jobs[0].key
+        assert all(j.key == key for j in jobs), "a batch holds one key's jobs"
+        tier, group, who = _place(key)
         with self._cond:
-            key = jobs[0].key
-            assert all(j.key == key for j in jobs), "a batch holds one key's jobs"
-            waiting = self._keys.pop(key, deque())
+            groups = self._tiers.setdefault(tier, OrderedDict())
+            members = groups.pop(group, OrderedDict())
+            waiting = members.pop(who, deque())
             waiting.extendleft(reversed(jobs))
-            self._keys[key] = waiting
+            members[who] = waiting
+            groups[group] = members
             self._size += len(jobs)
             self._cond.notify(len(jobs))
 
@@ -153,16 +166,23 @@ class _Turns:
         BATCH: batches grow only under load, where a round trip per group would cost). Waits
         for one; None once closed."""
         with self._cond:
-            while not self._keys and not self._closed:
+            while not self._tiers and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            key, waiting = next(iter(self._keys.items()))
+            tier = min(self._tiers)
+            groups = self._tiers[tier]
+            group, members = next(iter(groups.items()))
+            who, waiting = next(iter(members.items()))
             n = min(len(waiting), BATCH, max(1, self._size // feeders))
             jobs = [waiting.popleft() for _ in range(n)]
-            del self._keys[key]
+            del members[who], groups[group]  # their next turns after every other's
             if waiting:
-                self._keys[key] = waiting  # its next turn after every other key's
+                members[who] = waiting
+            if members:
+                groups[group] = members
+            if not groups:
+                del self._tiers[tier]
             self._size -= n
             return jobs
 
@@ -170,6 +190,12 @@ class _Turns:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def _place(key: Hashable) -> tuple[int, Hashable, Hashable]:
+    if isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], int):
+        return key
+    return (0, key, key)
 
 
 class _Closed(Exception):

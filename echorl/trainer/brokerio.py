@@ -88,11 +88,15 @@ def collect(
     the broker answers as soon as groups are pushed. Also returns the idle time and stale
     drops, and the auditors alive."""
     groups, dropped, t0 = [], 0, time.perf_counter()
+    held: set[int] = set()
     while len(groups) < n:
         if stop.is_set():
             return None, {}
         reply = client.pull(n - len(groups), step, wait_s)
-        groups += reply.groups
+        # A group pulled before and offered again (its pull lease ran out while the broker
+        # was down) is the same group: held once, trained once.
+        groups += [g for g in reply.groups if g.job_id not in held]
+        held |= {g.job_id for g in reply.groups}
         dropped += reply.dropped_stale
     groups.sort(key=lambda g: g.job_id)
     return groups, {

@@ -2,6 +2,7 @@
 NaN is refused there (and the broker never sees it), and the metrics it writes for the
 trainer are all on disk when it closes."""
 
+import httpx
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from echorl.client import BrokerClient
 from echorl.metrics import read_metrics
 from echorl.trainer.brokerio import BrokerIO, NonFiniteWeights
 
-from .conftest import TRAINER
+from .conftest import TRAINER, as_
 
 
 def test_uploads_refuses_a_nan_version_and_writes_the_metrics(broker, tmp_path):
@@ -39,3 +40,45 @@ def test_uploads_refuses_a_nan_version_and_writes_the_metrics(broker, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["loss/policy"] is None
     assert list((metrics.parent / "tb").glob("events.out.tfevents.*"))
     client.close()
+
+
+def test_a_batch_pulled_in_parts_holds_its_first_groups_and_trains_each_once(tmp_path):
+    """The trainer pulls until it holds B groups. While it waits for the rest, every pull
+    renews the groups it holds: before, their pull lease (here 1 s) ran out, they were
+    offered again, and the batch held them twice (chaos, seed 9: a step trained [4, 4, 5, 5]).
+    And a group offered again anyway (its lease ran out while the broker was down) is held
+    once."""
+    import threading
+    import time
+
+    from echorl.trainer.brokerio import collect
+
+    from .conftest import free_port, group, lease, publish, register, start_broker, stop_broker
+
+    run = ("-o", "broker.trainer_lease_seconds=1", "-o", "train.batch_prompts=4")
+    run += ("-o", "broker.first_lease=1000000")
+    proc, url = start_broker(tmp_path / "b", free_port(), *run)
+    try:
+        publish(url, 0, b"w")
+        sid = register(url, "s")
+        jobs = lease(url, sid, 4).json()["jobs"]
+        assert len(jobs) == 4
+
+        def push(batch):
+            for job in batch:
+                body = {"sampler_id": sid, "group": group(job)}
+                r = httpx.post(f"{url}/v1/rollouts", json=body, headers=as_(sid))
+                assert r.status_code == 200
+
+        push(jobs[:2])
+        late = threading.Timer(3.0, push, args=(jobs[2:],))  # three pull leases later
+        late.start()
+        with BrokerClient(url, TRAINER) as client:
+            t0 = time.monotonic()
+            groups, _ = collect(client, 4, 0, threading.Event(), wait_s=0.5)
+            waited = time.monotonic() - t0
+        late.join()
+    finally:
+        stop_broker(proc)
+    assert waited > 2.5  # it held the first two while the leases would have run out
+    assert sorted(g.job_id for g in groups) == sorted(j["job_id"] for j in jobs)

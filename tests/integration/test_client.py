@@ -204,7 +204,7 @@ def test_a_sampler_slower_than_the_timeout_keeps_its_lease_by_beating(tmp_path):
             quiet = silent.register(info("silent"))
             job = slow.lease(terms.sampler_id, 1).jobs[0]
             other = silent.lease(quiet, 1).jobs[0]
-            beating = types.SimpleNamespace(version=0, name="slow")
+            beating = types.SimpleNamespace(version=0, sha256=None, name="slow")
             with Heartbeat(slow, terms.sampler_id, terms.heartbeat_s, beating):
                 time.sleep(4.0)  # "generating", 2.7x the timeout
             assert slow.push(terms.sampler_id, group(job)).stored

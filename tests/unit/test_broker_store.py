@@ -687,6 +687,47 @@ def test_a_newcomer_holds_few_jobs_beyond_the_budget_and_more_once_it_delivers(s
     assert lease(a, now=25.0) == [] and len(lease(a, now=31.0)) == 1
 
 
+def test_only_an_audited_sampler_leases_from_the_budget_and_a_lapse_costs_half(s):
+    """With the audit on, a delivered group is no proof (a junk group is a group): a sampler
+    leases from the trainer's budget only once the trainer has audited `proven_tokens` of
+    its tokens; until then its jobs are extra, beyond the budget. A lapse then bars it a
+    lease period and halves what its leases grew by, and it stays proven (before: a
+    newcomer again, competing with every sybil for the newcomers' few jobs)."""
+    admit = Admission(batch=8, max_staleness=0, pin_version=True)
+    probation = Probation(first=1, newcomers=2, proven_tokens=50)
+    policy = Quarantine(min_tokens=50, max_mean_abs=0.5, max_kl=0.05, max_beyond=0.1, decay=1.0)
+    clean = {"tokens": 30, "abs_delta": 0.0, "kl": 0.0, "beyond": 0.0}
+    s.set_latest_version(0)
+    a = sampler(s, "a")
+
+    def lease(n=100, now=0.0):
+        jobs = s.lease(a, n, 2, now, 10, admit=admit, probation=probation)
+        ids = ",".join(str(j.job_id) for j in jobs) or "-1"
+        extra = s._tx(
+            lambda c: c.execute(f"SELECT SUM(extra) FROM jobs WHERE job_id IN ({ids})").fetchone()
+        )[0]
+        return [j.job_id for j in jobs], extra or 0
+
+    def deliver(job_id, audited, now):
+        push(s, a, group(s, job_id), [1.0, 0.0], now=now)
+        if audited:
+            s.audit([GroupAudit(job_id=job_id, **clean)], policy, step=0)
+
+    (first,), extra = lease()
+    assert extra == 1  # a newcomer's job: beyond the budget
+    deliver(first, audited=True, now=1.0)  # delivered 1, 30 tokens audited of 50
+    jobs, extra = lease()
+    assert len(jobs) == 2 and extra == 2  # first + delivered, still the newcomers' (2 of 2)
+    deliver(jobs[0], audited=True, now=2.0)  # 60 audited tokens: proven
+    deliver(jobs[1], audited=False, now=2.0)
+    jobs, extra = lease()
+    assert len(jobs) == 4 and extra == 0  # first + delivered (3), from the budget
+    s.expire(now=20.0, sampler_timeout=1e9, bar_s=10.0)  # one lapse: its 4 jobs ran out
+    assert lease(now=25.0) == ([], 0)  # barred a lease period
+    jobs, extra = lease(now=31.0)
+    assert len(jobs) == 2 and extra == 0  # first + delivered // 2, still from the budget
+
+
 def test_an_operators_audit_adds_up_across_its_identities(s):
     """Two identities of one operator, each below min_tokens on its own: together over, the
     operator is quarantined with both, and registers no third."""

@@ -231,3 +231,30 @@ def test_a_sampler_playing_a_hanging_environment_finishes_its_episodes(tiny_save
         for c, r in zip(g.completions, g.rewards):
             assert len(c.turns) <= 2
             assert r == (0.25 if len(c.turns) == 1 else 0.0)
+
+
+def test_a_lower_tier_is_served_first_then_groups_in_turn_then_their_members():
+    """The broker's keys are (tier, group, who): unproven identities' groups (tier 1, their
+    operator the group) wait behind proven samplers' (tier 0, each its own group), whatever
+    came first; an operator's identities share one turn between them, in turn; plain keys
+    are tier 0 and take turns as before."""
+    from echorl.rollout.verify import _Job, _Turns
+
+    turns = _Turns()
+    keys = [
+        (1, "operator:", "s1"),  # 0: three sybils of the shared token, then a named operator
+        (1, "operator:", "s2"),  # 1
+        (1, "operator:", "s3"),  # 2
+        (1, "operator:m", "m1"),  # 3
+        (0, "a", "a"),  # 4: proven samplers
+        (0, "b", "b"),  # 5
+        (0, "a", "a"),  # 6
+        (1, "operator:", "s1"),  # 7
+        "plain",  # 8: a key of another submitter: tier 0
+    ]
+    for n, key in enumerate(keys):
+        turns.put(_Job(n, ("score", 0, [], 0.0), None, key))
+    order = [job.tag for _ in keys for job in turns.take(feeders=1000)]
+    # tier 0: a, b, plain in turn (a's second after the others); then the shared token's
+    # identities and operator m, group by group and within the shared group one by one
+    assert order == [4, 5, 8, 6, 0, 3, 1, 2, 7]
