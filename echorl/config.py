@@ -295,16 +295,19 @@ class BrokerConfig(_Section):
         1,
         ge=1,
         le=1_000_000,
-        description="jobs a sampler that has delivered nothing may hold; each group it delivers "
-        "allows one more, up to max_leased_per_sampler (a lease that runs out unpushed starts "
-        "it over): a fresh identity cannot hoard; >= max_leased_per_sampler: no probation",
+        description="jobs a sampler may hold at first; each group it delivers allows one more, "
+        "up to max_leased_per_sampler (a lease that runs out unpushed halves that count); "
+        "until the trainer's audit proves it (quarantine.min_tokens audited tokens) its jobs "
+        "are newcomer_jobs, beyond the budget: a fresh identity cannot hoard; "
+        ">= max_leased_per_sampler: no probation",
     )
     newcomer_jobs: int | None = Field(
         None,
         ge=1,
         le=1_000_000,
-        description="jobs all samplers that have delivered nothing may hold together, on top "
-        "of the admission budget (a swarm of fresh identities cannot take the trainer's jobs); "
+        description="jobs all samplers not yet proven by the audit (broker/standing.py) may "
+        "hold together, on top of the admission budget (a swarm of fresh identities, or of "
+        "identities that delivered one junk group, cannot take the trainer's jobs); "
         "unset = max(1, train.batch_prompts // 4)",
     )
     registrations_per_minute: float = Field(
@@ -452,7 +455,11 @@ class QuarantineConfig(_Section):
         0.1, gt=0.0, le=1.0, description="bound on the fraction of its tokens far off"
     )
     min_tokens: int = Field(
-        128, ge=1, le=10**9, description="audited tokens before a sampler can be quarantined"
+        128,
+        ge=1,
+        le=10**9,
+        description="audited tokens before a sampler can be quarantined, and before it is "
+        "proven (leases from the trainer's budget, verifier turns ahead of unproven ones)",
     )
     decay: float = Field(
         0.9, ge=0.0, le=1.0, description="weight of a sampler's past audit per new report"
