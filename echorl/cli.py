@@ -765,6 +765,7 @@ def status(
         "tokens/s",
         "last seen (s ago)",
         "state",
+        "standing",
     ):
         table.add_column(col)
     now = time.time()
@@ -778,6 +779,7 @@ def status(
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
             f"{now - s.last_seen:.0f}",
             s.state,
+            s.standing,
         )
     console.print(table)
     audited = [s for s in st.samplers if s.audited_tokens]

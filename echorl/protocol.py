@@ -469,6 +469,9 @@ class SamplerStatus(_Wire):
     logprob_kl: float = 0.0  # mean (sampler - trainer): an estimate of KL(sampler || trainer)
     logprob_beyond: float = 0.0  # fraction of tokens beyond the audit tolerance
     cost_per_hour: float | None = None  # as it told at registration
+    # What the broker trusts it with (broker/standing.py), and why: "proven", or "newcomer:
+    # 40 of 128 tokens audited" (its jobs beyond the budget, its groups scored after proven ones).
+    standing: str = ""
 
 
 class Capacity(_Wire):

@@ -467,7 +467,10 @@ def download(version: int = Version, st: BrokerState = State) -> FileResponse:
 def status(limit: int = Query(100, ge=0, le=100_000), st: BrokerState = State) -> StatusReply:
     """The swarm at a glance: samplers counted by state and the `limit` most relevant listed
     (alive first), versions, jobs, the buffer, the verifiers."""
-    samplers = [SamplerStatus(**row) for row in st.store.samplers(max(limit, 1000))]
+    samplers = [
+        SamplerStatus(**row, standing=st.standing.describe(row["id"], row["audited_tokens"]))
+        for row in st.store.samplers(max(limit, 1000))
+    ]
     return StatusReply(
         mode=st.cfg.broker.mode,
         latest_version=st.store.latest_version(),

@@ -61,6 +61,14 @@ class Standing:
         self.proven.discard(sampler_id)
         self.operators.pop(sampler_id, None)
 
+    def describe(self, sampler_id: str, audited: float) -> str:
+        """What the status shows: proven, or how far from it and what that withholds."""
+        if sampler_id in self.proven:
+            return "proven"
+        if self.proven_tokens:
+            return f"newcomer: {audited:.0f} of {self.proven_tokens} tokens audited"
+        return "newcomer: no group delivered"
+
     def turn(self, sampler_id: str) -> tuple[int, str, str]:
         """The verifier-queue key of a group `sampler_id` pushed: (tier, group, who), served
         lower tier first, then group by group, then who by who in the group."""

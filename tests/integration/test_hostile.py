@@ -583,3 +583,51 @@ def test_a_peer_url_must_be_where_the_sampler_registered_from(tmp_path):
         assert query(data, "SELECT COUNT(*) FROM samplers") == [(2,)]
     finally:
         stop_broker(proc)
+
+
+def test_a_delivered_group_proves_nothing_an_audit_does_and_the_status_says_so(tmp_path):
+    """With probation, a sampler's delivered group is no proof: its next lease is still a
+    newcomer's (one job beyond the budget), and `echorl status` shows how far it is from
+    proven; once the trainer's audit has covered quarantine.min_tokens of its tokens it
+    leases from the budget, and the status says proven."""
+    data = tmp_path / "b"
+    run = ("-o", "quarantine.min_tokens=6", "-o", "train.batch_prompts=4", *PROBATION)
+    proc, url = start_broker(data, free_port(), *run)
+    try:
+        publish(url, 0, b"w")
+        sid = register(url, "worker")
+        (job,) = lease(url, sid, 4).json()["jobs"]
+        r = httpx.post(
+            f"{url}/v1/rollouts", json={"sampler_id": sid, "group": group(job)}, headers=as_(sid)
+        )
+        assert r.status_code == 200
+        wait_until(lambda: query(data, "SELECT delivered FROM samplers") == [(1,)], what="scored")
+
+        def standing():
+            reply = httpx.get(f"{url}/v1/status", headers=as_(TRAINER)).json()
+            return reply["samplers"][0]["standing"]
+
+        extra = "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND extra = 1"
+        assert len(lease(url, sid, 4).json()["jobs"]) == 1 and query(data, extra) == [(1,)]
+        assert standing() == "newcomer: 0 of 6 tokens audited"
+        pulled = httpx.post(
+            f"{url}/v1/batches/pull", json={"n": 1, "step": 0, "wait_s": 2}, headers=as_(TRAINER)
+        ).json()["groups"]
+        assert [g["job_id"] for g in pulled] == [job["job_id"]]
+        ack = {"job_ids": [job["job_id"]], "step": 0}
+        assert (
+            httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).status_code == 200
+        )
+        audit = {"job_id": job["job_id"], "tokens": 6, "abs_delta": 0.0, "kl": 0.0, "beyond": 0}
+        r = httpx.post(
+            f"{url}/v1/trainer/audit",
+            json={"step": 0, "groups": [audit | {"exact": True}]},
+            headers=as_(TRAINER),
+        )
+        assert r.status_code == 200 and r.json()["quarantined"] == {}
+        assert standing() == "proven"
+        got = lease(url, sid, 4).json()["jobs"]
+        held_extra = query(data, extra)[0][0]
+        assert len(got) == 1 and held_extra == 1  # first + delivered (2) - held (1), budget
+    finally:
+        stop_broker(proc)
