@@ -190,6 +190,53 @@ def test_an_honest_group_is_not_held_behind_another_samplers_stuck_ones(tmp_path
         stop_broker(proc)
 
 
+def test_sixteen_sybils_with_one_stuck_group_each_do_not_hold_a_proven_group_back(tmp_path):
+    """Verifier turns were per identity: 16 fresh identities, one group each of answers
+    that hang the verifier (5 s each), stood 16 turns in front of an honest group (40 s).
+    Now a proven sampler's group (the trainer audited its tokens) is scored ahead of every
+    unproven identity's, and all identities of the shared token share one turn: the honest
+    group reaches the trainer's pull within 10 s."""
+    proc, url = start_broker(
+        tmp_path / "b",
+        free_port(),
+        "-o",
+        f"task.name={HOSTILE}",
+        "-o",
+        "broker.mode=async",
+        "-o",
+        "train.batch_prompts=32",
+        "-o",
+        "quarantine.min_tokens=2",
+    )
+    try:
+        publish(url, 0, b"w")
+        honest = register(url, "honest", task="hostile")
+        (job,) = lease(url, honest).json()["jobs"]
+        push(url, right(job, honest), honest)
+        assert pull_until(url, job["job_id"], 60) < 60  # the workers are up
+        ack = {"job_ids": [job["job_id"]], "step": 0}
+        assert (
+            httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).status_code == 200
+        )
+        audit = {"job_id": job["job_id"], "tokens": 4, "abs_delta": 0.0, "kl": 0.0, "beyond": 0}
+        report = {"step": 0, "groups": [audit | {"exact": True}]}
+        assert httpx.post(f"{url}/v1/trainer/audit", json=report, headers=as_(TRAINER)).json() == {
+            "quarantined": {}
+        }
+        sybils = [register(url, f"sybil{k}", task="hostile") for k in range(16)]
+        for sid in sybils:
+            (stuck,) = lease(url, sid).json()["jobs"]
+            push(url, answer(stuck, "spin", "sleep", sid=sid), sid)
+        (job,) = lease(url, honest).json()["jobs"]
+        time.sleep(0.5)  # both workers on sybils' groups, the rest queued
+        push(url, right(job, honest), honest)
+        took = pull_until(url, job["job_id"], 90)
+        print(f"the proven sampler's group was pulled {took:.1f} s after its push")
+        assert took < 10
+    finally:
+        stop_broker(proc)
+
+
 def test_sigterm_ends_a_broker_whose_verifier_calls_are_stuck(tmp_path):
     """Closing the pool kills its workers at once: it waits for no stuck call's time limit."""
     proc, url, _, _ = hostile_pile(tmp_path, "-o", "verify.time_limit_s=60")
