@@ -39,7 +39,7 @@ class Pace:
         self.step_tokens: float | None = None
         self.step_s: float | None = None  # wall time between acks
         self.last_ack: float | None = None
-        self.fetch_s: dict[int, list[float]] = {}  # version -> the samplers' fetch and load
+        self.fetch_s: dict[int, dict[str, float]] = {}  # version -> sampler -> fetch and load
         self.lock = threading.Lock()
 
     def step(self, train_s: float, tokens: int, now: float) -> None:
@@ -50,12 +50,13 @@ class Pace:
                 self.step_s = _ema(self.step_s, now - self.last_ack)
             self.last_ack = now
 
-    def fetched(self, version: int | None, seconds: float | None) -> None:
-        """A sampler loaded `version` in `seconds` (download and load)."""
+    def fetched(self, version: int | None, seconds: float | None, who: str = "") -> None:
+        """Sampler `who` loaded `version` in `seconds` (download and load): its last word
+        on a version counts, once (six reports of one sampler weighed six before)."""
         if version is None or seconds is None:
             return
         with self.lock:
-            self.fetch_s.setdefault(version, []).append(seconds)
+            self.fetch_s.setdefault(version, {})[who] = seconds
             for old in [v for v in self.fetch_s if v <= version - VERSIONS_KEPT]:
                 del self.fetch_s[old]
 
@@ -63,15 +64,17 @@ class Pace:
         """A version's way to a sampler: the median sampler's fetch and load (one sampler's
         word cannot move it), averaged over the recent versions."""
         with self.lock:
-            spans = [statistics.median(told) for told in self.fetch_s.values()]
+            spans = [statistics.median(told.values()) for told in self.fetch_s.values()]
         return sum(spans) / len(spans) if spans else None
 
 
 def capacity(pace: Pace, samplers: list[SamplerStatus], max_staleness: int) -> Capacity | None:
-    """The figures, once the trainer has reported a step; None before."""
+    """The figures, once the trainer has reported a step; None before. Only proven samplers'
+    numbers count (`broker/standing.py`): a fresh identity's claim of 1e9 tokens/s at 0/h
+    made the advice keep it alone."""
     if pace.train_s is None or pace.step_tokens is None:
         return None
-    alive = [s for s in samplers if s.state == "alive"]
+    alive = [s for s in samplers if s.state == "alive" and s.standing == "proven"]
     speeds = {s.id: s.tokens_per_s or 0.0 for s in alive}
     swarm = sum(speeds.values())
     needed = pace.step_tokens / max(pace.train_s, 1e-9)

@@ -728,6 +728,24 @@ def test_only_an_audited_sampler_leases_from_the_budget_and_a_lapse_costs_half(s
     assert len(jobs) == 2 and extra == 0  # first + delivered // 2, still from the budget
 
 
+def test_an_unproven_identitys_claimed_speed_shrinks_nobodys_lease(s):
+    """With leases by speed, a fresh identity claiming 1e9 tokens/s made every honest
+    sampler 'slower than half the fastest': a 16-job ask became 1. The fastest is now taken
+    among proven samplers only."""
+    probation = Probation(first=1000, newcomers=1000, proven_tokens=10)
+    policy = Quarantine(min_tokens=10, max_mean_abs=0.5, max_kl=0.05, max_beyond=0.1, decay=1.0)
+    s.set_latest_version(0)
+    a, liar = sampler(s, "a"), sampler(s, "liar")
+    (job,) = s.lease(a, 1, 2, 0.0, 10)
+    push(s, a, group(s, job.job_id), [1.0, 0.0], now=1.0)
+    clean = {"tokens": 10, "abs_delta": 0.0, "kl": 0.0, "beyond": 0.0}
+    s.audit([GroupAudit(job_id=job.job_id, **clean)], policy, step=0)  # a is proven
+    s.heartbeat(a, 2.0, tokens_per_s=100.0)
+    s.heartbeat(liar, 2.0, tokens_per_s=1e9)
+    got = s.lease(a, 16, 2, 3.0, 10, probation=probation, by_speed=True)
+    assert len(got) == 16
+
+
 def test_an_operators_audit_adds_up_across_its_identities(s):
     """Two identities of one operator, each below min_tokens on its own: together over, the
     operator is quarantined with both, and registers no third."""

@@ -6,10 +6,11 @@ from echorl.broker.capacity import Pace, capacity, describe
 from echorl.protocol import SamplerStatus
 
 
-def sampler(name, tokens_per_s, cost=None, state="alive"):
+def sampler(name, tokens_per_s, cost=None, state="alive", standing="proven"):
     return SamplerStatus(
         id=name, name=name, hardware="", backend="hf", max_batch=64, last_seen=0.0,
         version_held=0, tokens_per_s=tokens_per_s, state=state, cost_per_hour=cost,
+        standing=standing,
     )  # fmt: skip
 
 
@@ -18,8 +19,8 @@ def paced(train_s=1.0, tokens=1000, fetches=(0.5, 1.5)):
     pace.step(train_s, tokens, now=10.0)
     pace.step(train_s, tokens, now=12.0)  # a step every 2 s
     for version, seconds in enumerate(fetches):
-        for told in (seconds, seconds / 2, 1e6):  # the median sampler's counts, not a liar's
-            pace.fetched(version, told)
+        for who, told in zip("abc", (seconds, seconds / 2, 1e6)):  # the median's, not a liar's
+            pace.fetched(version, told, who)
     return pace
 
 
@@ -58,3 +59,19 @@ def test_the_cheapest_samplers_that_cover_the_need_are_named():
     short = capacity(paced(tokens=10_000), swarm, max_staleness=0)  # 10000 tokens/s needed
     assert short.keep == ["cheap", "middling", "dear"]
     assert any("short of it" in line for line in describe(short))
+
+
+def test_a_liars_claims_and_repeated_reports_move_no_figure():
+    """A fresh identity claiming 1e9 tokens/s at 0/h was the one sampler the advice kept;
+    one sampler's six reports of 1e6 s per version set the median dissemination. Only
+    proven samplers count, and each once per version."""
+    honest = [sampler("cheap", 600.0, cost=0.6), sampler("middling", 600.0, cost=1.2)]
+    before = capacity(paced(), honest, max_staleness=0)
+    liar = sampler("liar", 1e9, cost=0.0, standing="newcomer: 0 of 128 tokens audited")
+    after = capacity(paced(), [*honest, liar], max_staleness=0)
+    assert after == before and after.keep == ["cheap", "middling"]
+    pace = paced()
+    for _ in range(6):
+        pace.fetched(0, 1e6, "c")  # the same sampler again and again
+        pace.fetched(1, 1e6, "c")
+    assert pace.dissemination_s() == pytest.approx(1.0)  # (0.5 + 1.5) / 2, as before
