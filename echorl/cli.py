@@ -765,7 +765,6 @@ def status(
         "tokens/s",
         "last seen (s ago)",
         "state",
-        "standing",
     ):
         table.add_column(col)
     now = time.time()
@@ -779,9 +778,16 @@ def status(
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
             f"{now - s.last_seen:.0f}",
             s.state,
-            s.standing,
         )
     console.print(table)
+    held_back = [s for s in st.samplers if s.state == "alive" and s.standing != "proven"]
+    if held_back:  # README: Trust (standing)
+        console.print(
+            f"held back, not yet proven by the trainer's audit ({len(held_back)}; their jobs "
+            "come beyond the trainer's budget, their groups are scored after proven ones):"
+        )
+        for s in held_back:
+            console.print(Text(f"  {s.id} {printable(s.name)}: {s.standing}"))
     audited = [s for s in st.samplers if s.audited_tokens]
     if audited:  # each sampler's log-probs against the trainer's, on its consumed tokens
         table = Table(title="log-prob mismatch (trainer's audit; README: Trust)")

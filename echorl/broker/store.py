@@ -407,12 +407,18 @@ class BrokerStore(SwarmBook):
             if by_speed:
                 # The fastest among proven samplers: a fresh identity's claim of 1e9 tokens/s
                 # shrank every honest sampler's lease to one job.
-                proof = 0.0 if probation is None else probation.proven_tokens
+                # Without probation every identity is trusted: all alive samplers count.
+                proven = ""
+                if probation is not None:
+                    proven = (
+                        f"AND audit_total >= {float(probation.proven_tokens)}"
+                        if probation.proven_tokens
+                        else "AND delivered > 0"
+                    )
                 mine, fastest = c.execute(
                     "SELECT tokens_per_s, (SELECT MAX(tokens_per_s) FROM samplers "
-                    "WHERE state = 'alive' AND audit_total >= ? AND (? > 0 OR delivered > 0)) "
-                    "FROM samplers WHERE id = ?",
-                    (proof, proof, sampler_id),
+                    f"WHERE state = 'alive' {proven}) FROM samplers WHERE id = ?",
+                    (sampler_id,),
                 ).fetchone()
                 n = fair_share(n, mine, fastest)
             newcomer = probation is not None and not probation.proven(row[2], row[3])
