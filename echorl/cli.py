@@ -780,7 +780,7 @@ def status(
             s.state,
         )
     console.print(table)
-    held_back = [s for s in st.samplers if s.state == "alive" and s.standing != "proven"]
+    held_back = [s for s in st.samplers if s.state == "alive" and s.standing.startswith("new")]
     if held_back:  # README: Trust (standing)
         console.print(
             f"held back, not yet proven by the trainer's audit ({len(held_back)}; their jobs "

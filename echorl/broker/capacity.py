@@ -27,6 +27,7 @@ import threading
 from echorl.protocol import Capacity, SamplerStatus
 
 EMA = 0.2  # weight of the newest step in the trainer's averages
+TRUSTED = ("proven", "trusted (no probation)")  # standings whose numbers count
 VERSIONS_KEPT = 16  # versions whose spread is tracked
 
 
@@ -74,7 +75,7 @@ def capacity(pace: Pace, samplers: list[SamplerStatus], max_staleness: int) -> C
     made the advice keep it alone."""
     if pace.train_s is None or pace.step_tokens is None:
         return None
-    alive = [s for s in samplers if s.state == "alive" and s.standing == "proven"]
+    alive = [s for s in samplers if s.state == "alive" and s.standing in TRUSTED]
     speeds = {s.id: s.tokens_per_s or 0.0 for s in alive}
     swarm = sum(speeds.values())
     needed = pace.step_tokens / max(pace.train_s, 1e-9)

@@ -31,6 +31,7 @@ import secrets
 import statistics
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 from echorl.protocol import Took, WeightSource
 from echorl.rollout.peers import KEEP, ticket
@@ -42,6 +43,8 @@ SLOW_VERSIONS = 4  # versions a slow peer is named to nobody, before it is tried
 SLOW_MAX_VERSIONS = 64  # ... doubled each time it is found slow again, up to this
 LEAVE_SHARE = 0.25  # min_rate: this share of the median rate samplers got versions at
 MAX_RATE = 1e11  # bytes/s: a report of more is taken as this much
+MIN_RATE_RANGE = (64e3, 1e9)  # bytes/s: min_rate is clamped to this, whatever was reported
+JUDGE_AFTER = 2  # versions after which a taker's report is judged without its source's
 
 log = logging.getLogger("echorl.broker")
 
@@ -49,8 +52,12 @@ BROKER = "@broker"  # the broker's key among a version's sources (no sampler id 
 
 
 class FanOut:
-    def __init__(self, degree: int):
+    def __init__(self, degree: int, trusted: Callable[[str], bool] = lambda sampler: True):
+        """`trusted`: whether a sampler's word counts (`Standing.trusted`): only trusted
+        samplers' failure reports drop a peer for good, and only their rates measure lines
+        (the `min_rate` peers are named with, what a taker could take)."""
         self.degree = degree
+        self.trusted = trusted
         self.peers: dict[str, tuple[str, str]] = {}  # sampler id -> (url, secret)
         self.by_url: dict[str, str] = {}  # url -> sampler id
         # version -> {source: [takers so far, hops from the broker]}: the broker, and the
@@ -60,7 +67,7 @@ class FanOut:
         self.shunned: dict[int, set[str]] = {}  # version -> peers that failed it
         self.reporters: dict[str, set[str]] = {}  # peer -> the askers it failed
         self.sizes: dict[int, int] = {}  # version -> bytes
-        self.speeds = Speeds()
+        self.speeds = Speeds(trusted)
         self.named = Counter()  # "broker" / "peer": how often each was named
         self.lock = threading.Lock()
 
@@ -111,8 +118,9 @@ class FanOut:
             if before is not None:
                 if failed is None or self.peers.get(before, ("",))[0] != failed:
                     return self._name(before, sha256)  # the same, again
-                self.shunned.setdefault(version, set()).add(before)
-                self.reporters.setdefault(before, set()).add(asker)
+                self.shunned.setdefault(version, set()).add(before)  # anyone's word: a version
+                if self.trusted(asker):  # for good: two proven samplers' (two sybils' did)
+                    self.reporters.setdefault(before, set()).add(asker)
             # Samplers keep the versions they hold and fetch (peers.KEEP): older ones, from
             # the broker.
             recent = version > max(self.sources) - KEEP
@@ -171,9 +179,14 @@ class Speeds:
     shared among them. Only rates from the broker measure a line: below a slow peer, every
     rate is slow. Its own word (`served`) is enough; its takers' word needs
     REPORTERS_TO_DROP of them, so one liar cannot make a peer a leaf. A taker's report
-    waits for its source's own report of that version."""
+    waits for its source's own report of that version, JUDGE_AFTER versions at most (a peer
+    that never reports was never judged): then it is judged as if the source had got the
+    version at any speed. Only `trusted` samplers' rates measure lines and only their
+    takers' word blames (a sybil's 86,400 s download pulled min_rate to 6 B/s, its 1e-6 s
+    to 2.5e10 B/s); min_rate is clamped to MIN_RATE_RANGE."""
 
-    def __init__(self):
+    def __init__(self, trusted: Callable[[str], bool] = lambda sampler: True):
+        self.trusted = trusted
         self.got: dict[tuple[int, str], float] = {}  # (version, sampler) -> bytes/s it got v at
         self.best: dict[str, float] = {}  # sampler -> the fastest it got a version from the broker
         self.heard: dict[str, int] = {}  # sampler -> the last version it told of
@@ -201,7 +214,7 @@ class Speeds:
             return
         rate = min(size / took.seconds, MAX_RATE)
         self.got[(v, sampler)] = rate
-        if source is None:  # a line's speed: only the broker's rates show it
+        if source is None and self.trusted(sampler):  # a line's speed: the broker's rates
             self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
         self.heard[sampler] = v
         if took.served is not None and takers:  # its own word
@@ -210,11 +223,17 @@ class Speeds:
                 self._found(sampler, v, took.served, could)
         for taker, taker_rate, n in self.pending.pop((v, sampler), []):
             self._judge(v, sampler, taker, taker_rate, n)
-        if source is not None:
+        if source is not None and self.trusted(sampler):
             if (v, source) in self.got:
                 self._judge(v, source, sampler, rate, n_source)
             else:
                 self.pending.setdefault((v, source), []).append((sampler, rate, n_source))
+        for (w, peer), waiting in list(self.pending.items()):  # sources that never told
+            if w <= v - JUDGE_AFTER:
+                del self.pending[(w, peer)]
+                self.got.setdefault((w, peer), MAX_RATE)
+                for taker, taker_rate, n in waiting:
+                    self._judge(w, peer, taker, taker_rate, n)
 
     def _judge(self, v: int, peer: str, taker: str, rate: float, n: int) -> None:
         """`taker` got v from `peer` at `rate`, `peer` serving `n` takers."""
@@ -251,7 +270,8 @@ class Speeds:
         broker at (every rate below a slow peer is slow, so their median would not do)."""
         if not self.best:
             return None
-        return LEAVE_SHARE * statistics.median(self.best.values())
+        low, high = MIN_RATE_RANGE
+        return min(max(LEAVE_SHARE * statistics.median(self.best.values()), low), high)
 
     def prune(self, old: int) -> None:
         """Version `old` is forgotten: so are reports of it, and samplers not heard since."""

@@ -166,7 +166,7 @@ async def heartbeat(
     now = time.time()
     held, tps, foreign = body.version_held, body.tokens_per_s, st.foreign(body)
     await st.write(st.store.heartbeat, sampler_id, now, held, tps, foreign)
-    if not foreign and sampler_id in st.standing.proven:  # one unproven word moves nothing
+    if not foreign and st.standing.trusted(sampler_id):  # one unproven word moves nothing
         st.pace.fetched(body.version_held, body.fetch_s, sampler_id)
     return HeartbeatReply(latest_version=st.store.latest_version())
 

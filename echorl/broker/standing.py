@@ -40,8 +40,15 @@ class Standing:
     """Which samplers are proven, and whose enrolment token (operator) each joined with."""
 
     proven_tokens: int = 0
+    # Probation off (broker.first_lease >= max_leased_per_sampler): the operator trusts every
+    # identity it lets in, and every mechanism treats each as proven.
+    trust_all: bool = False
     proven: set[str] = field(default_factory=set)
     operators: dict[str, str] = field(default_factory=dict)  # sampler id -> operator ('' shared)
+
+    def trusted(self, sampler_id: str) -> bool:
+        """Whether `sampler_id`'s word and work count as a proven sampler's."""
+        return self.trust_all or sampler_id in self.proven
 
     def joined(self, sampler_id: str, operator: str) -> None:
         self.operators[sampler_id] = operator
@@ -65,6 +72,8 @@ class Standing:
         """What the status shows: proven, or how far from it and what that withholds."""
         if sampler_id in self.proven:
             return "proven"
+        if self.trust_all:
+            return "trusted (no probation)"
         if self.proven_tokens:
             return f"newcomer: {audited:.0f} of {self.proven_tokens} tokens audited"
         return "newcomer: no group delivered"
@@ -72,6 +81,6 @@ class Standing:
     def turn(self, sampler_id: str) -> tuple[int, str, str]:
         """The verifier-queue key of a group `sampler_id` pushed: (tier, group, who), served
         lower tier first, then group by group, then who by who in the group."""
-        if sampler_id in self.proven:
+        if self.trusted(sampler_id):
             return (0, sampler_id, sampler_id)
         return (1, "operator:" + self.operators.get(sampler_id, ""), sampler_id)

@@ -442,6 +442,10 @@ def build_state(cfg: RunConfig) -> BrokerState:
     parser = PushParser(Limits.of(task, cfg, codec))
     metrics = Metrics()
     metrics.latest.set(store.latest_version())
+    standing = Standing(
+        cfg.quarantine.min_tokens if cfg.quarantine.enabled else 0,
+        trust_all=b.first_lease >= (b.max_leased_per_sampler or cfg.train.batch_prompts),
+    )
     st = BrokerState(
         cfg=cfg,
         task=task,
@@ -474,9 +478,9 @@ def build_state(cfg: RunConfig) -> BrokerState:
         parser=parser,
         writer=Writer(store),
         push_slots=asyncio.Semaphore(b.push_slots),
-        fanout=FanOut(b.peer_fanout),
+        fanout=FanOut(b.peer_fanout, standing.trusted),
         pace=Pace(),
-        standing=Standing(cfg.quarantine.min_tokens if cfg.quarantine.enabled else 0),
+        standing=standing,
     )
     st.standing.observe(store.standing_rows())
     for _, created, seed, group in store.scoring():  # stored before a restart

@@ -19,6 +19,7 @@ import pytest
 from echorl.models.tokenizer import RunTokenizer
 from tests.integration.conftest import (
     IDENTITY,
+    PROBATION,
     SAMPLER,
     TRAINER,
     as_,
@@ -207,6 +208,7 @@ def test_sixteen_sybils_with_one_stuck_group_each_do_not_hold_a_proven_group_bac
         "train.batch_prompts=32",
         "-o",
         "quarantine.min_tokens=2",
+        *PROBATION,  # a swarm the operator does not trust wholesale (the default)
     )
     try:
         publish(url, 0, b"w")

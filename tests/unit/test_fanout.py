@@ -3,7 +3,14 @@ broker's fan-out, peers that fail shunned, and nothing but the broker at fan-out
 
 import pytest
 
-from echorl.broker.fanout import LEAVE_SHARE, MAX_RATE, SLOW_VERSIONS, FanOut, Speeds
+from echorl.broker.fanout import (
+    JUDGE_AFTER,
+    LEAVE_SHARE,
+    MIN_RATE_RANGE,
+    SLOW_VERSIONS,
+    FanOut,
+    Speeds,
+)
 from echorl.protocol import Took
 from echorl.rollout.peers import ticket
 
@@ -132,7 +139,7 @@ def test_absurd_reports_are_clamped_and_the_peer_is_still_named():
     for sid in ("p", "a"):  # 1 GiB in a microsecond, and served at 1e12
         fan.source(1, SHA, sid, None, 1 << 30, took(0, 1e-6, served=1e12))
     named = fan.source(1, SHA, "b", None, 1 << 30)
-    assert named.url is not None and named.min_rate == LEAVE_SHARE * MAX_RATE
+    assert named.url is not None and named.min_rate == MIN_RATE_RANGE[1]  # not 2.5e10 B/s
 
 
 def test_a_slow_peer_is_named_to_nobody_for_a_while_then_tried_again():
@@ -151,7 +158,8 @@ def test_a_slow_peer_is_named_to_nobody_for_a_while_then_tried_again():
     named = {fan.source(v, SHA, s, None, 100).url for s in "pqab"}
     assert "http://p.peer:9000" in named  # tried again once the while is over
     ms = fan.source(v, SHA, "late", None, 100).min_rate
-    assert ms == LEAVE_SHARE * 100.0  # a quarter of the median: p's and q's 100 B/s
+    # a quarter of the median (p's and q's 100 B/s), clamped: no peer is left below 64 kB/s
+    assert ms == max(LEAVE_SHARE * 100.0, MIN_RATE_RANGE[0])
 
 
 def test_reports_about_sources_never_named_are_ignored():
@@ -185,6 +193,40 @@ def test_only_the_brokers_rates_measure_a_line():
     sp = Speeds()
     sp.told("top", took(0, 1.0), 100, None, 1, [])
     sp.told("below", took(0, 20.0), 100, "top", 1, [])
-    assert sp.best == {"top": 100.0} and sp.min_rate() == LEAVE_SHARE * 100.0
+    assert sp.best == {"top": 100.0} and sp.min_rate() == max(LEAVE_SHARE * 100, MIN_RATE_RANGE[0])
     sp.told("top", took(1, 1.0, served=5.0), 100, None, 1, ["below"])  # 5 of its 100 B/s
     assert sp.slow == {"top": (1, SLOW_VERSIONS)}
+
+
+def test_untrusted_words_drop_no_peer_and_move_no_line_and_a_silent_peer_is_judged():
+    """Two sybils each reporting an honest peer failed once made it never named again; a
+    sybil's 86,400 s download set the median line (min_rate 6 B/s); a peer that never
+    reported its own download was never judged, its takers' reports waiting for it. Now
+    only trusted samplers' failure reports drop a peer for good and only their rates
+    measure lines, and a taker's report is judged JUDGE_AFTER versions on without its
+    source's."""
+    size = 10_000_000
+    trusted = {"p", "q", "a", "b"}
+    fan = FanOut(1, trusted=lambda s: s in trusted)
+    for sid in ("p", "q", "a", "b", "sybil1", "sybil2"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    for v, sybil in ((0, "sybil1"), (1, "sybil2")):
+        fan.source(v, SHA, "p", None, size)  # the broker's
+        assert fan.source(v, SHA, sybil, None, size).url == "http://p.peer:9000"
+        fan.source(v, SHA, sybil, "http://p.peer:9000", size)  # "p failed me"
+    assert fan.reporters == {}  # two untrusted words: p is not dropped
+    fan.source(2, SHA, "p", None, size)
+    assert fan.source(2, SHA, "a", None, size).url == "http://p.peer:9000"  # named again
+    sp = Speeds(trusted=lambda s: s in trusted)
+    sp.told("p", took(0, 1.0), size, None, 1, [])
+    sp.told("sybil1", took(0, 86_400.0), size, None, 1, [])
+    assert sp.best == {"p": size / 1.0}
+    assert sp.min_rate() == LEAVE_SHARE * size  # the sybil's line is not a line
+    # a peer q that never reports: its takers' word is judged JUDGE_AFTER versions later
+    sp.told("a", took(0, 1.0), size, None, 1, [])
+    sp.told("b", took(0, 1.0), size, None, 1, [])
+    for taker in ("a", "b"):  # both got v1 from q at 80 kB/s
+        sp.told(taker, took(1, size / 80e3), size, "q", 2, [])
+    assert "q" not in sp.slow  # waiting for q's own report
+    sp.told("p", took(1 + JUDGE_AFTER, 1.0), size, None, 1, [])  # versions go on
+    assert sp.slow.get("q", (None,))[0] == 1  # a leaf now, from its takers' word
