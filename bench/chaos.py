@@ -185,6 +185,7 @@ def one_seed(seed: int, args, console: Console) -> dict:
         console.print("\n".join(left), markup=False)
     return {
         "seed": seed,
+        "B": B,
         "ok": ok,
         "exit_code": run.returncode,
         "wall_s": round(wall, 1),
