@@ -152,12 +152,7 @@ class RunTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        """The text of a completion (or a model turn) as the verifier reads it: every token the
-        loss trains on, special ones included (a dropped token would be trained on unseen: an
-        answer with a pad inside was scored as the answer), but a final eos, which only ends it."""
-        if ids and ids[-1] == self.eos_id:
-            ids = ids[:-1]
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def render_chat(self, text: str, system: str | None = None) -> str:
         """`text` as a user turn (after an optional system turn), with the generation prompt,
