@@ -44,7 +44,10 @@ RUN = [
 # steps of 8 prompts (+0.019, +0.003; +0.025 at 16 prompts; lr 3e-3 collapses to 0): its
 # learning is asserted by tests/integration/test_lora_run.py; here it must not fall by more
 # than LORA_SLACK, while the audit shows vLLM applying the adapters as exactly as peft does.
-MARGIN, LORA_SLACK = 0.04, 0.03
+# LORA_SLACK is 3 sigma of the difference of two pass@1 estimates of 800 samples at p = 0.7
+# (sqrt(2 * 0.21 / 800) = 0.023): 0.03 failed CI on noise (0.695 -> 0.661 while the train
+# reward rose 0.57 -> 0.75); a collapse (lr 3e-3: pass@1 to 0) still fails it by far.
+MARGIN, LORA_SLACK = 0.04, 0.07
 
 LORA = [*("-o", "model.lora.rank=8"), *("-o", "optim.lr=1e-3")]
 
