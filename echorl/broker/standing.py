@@ -35,6 +35,11 @@ def is_proven(proven_tokens: int, delivered: int, audited_tokens: float) -> bool
     return delivered > 0
 
 
+def proven_sql(proven_tokens: int) -> str:
+    """`is_proven` as an SQL condition on a row of the samplers table."""
+    return f"audit_total >= {float(proven_tokens)}" if proven_tokens else "delivered > 0"
+
+
 @dataclass
 class Standing:
     """Which samplers are proven, and whose enrolment token (operator) each joined with."""

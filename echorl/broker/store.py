@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from echorl.broker.standing import is_proven
+from echorl.broker.standing import is_proven, proven_sql
 from echorl.broker.swarm import RETRY, SwarmBook, quarantined
 from echorl.protocol import (
     MAX_PROMPT_TOKENS,
@@ -408,13 +408,7 @@ class BrokerStore(SwarmBook):
                 # The fastest among proven samplers: a fresh identity's claim of 1e9 tokens/s
                 # shrank every honest sampler's lease to one job.
                 # Without probation every identity is trusted: all alive samplers count.
-                proven = ""
-                if probation is not None:
-                    proven = (
-                        f"AND audit_total >= {float(probation.proven_tokens)}"
-                        if probation.proven_tokens
-                        else "AND delivered > 0"
-                    )
+                proven = "" if probation is None else f"AND {proven_sql(probation.proven_tokens)}"
                 mine, fastest = c.execute(
                     "SELECT tokens_per_s, (SELECT MAX(tokens_per_s) FROM samplers "
                     f"WHERE state = 'alive' {proven}) FROM samplers WHERE id = ?",

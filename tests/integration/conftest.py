@@ -242,6 +242,17 @@ def learning(out):
     return sum(train[:10]) / 10, sum(train[-10:]) / 10, evals[0], evals[-1]
 
 
+def status_cli(url) -> str:
+    """What `echorl status --broker URL` prints (as the trainer, on a wide terminal)."""
+    return subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
+        env=os.environ | {"ECHORL_TOKEN": TRAINER, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+
+
 def read_jsonl(path):
     import json
 

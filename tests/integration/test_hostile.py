@@ -38,6 +38,7 @@ from tests.integration.conftest import (
     start_broker,
     start_sampler,
     start_trainer,
+    status_cli,
     stop_broker,
     wait_until,
 )
@@ -610,13 +611,7 @@ def test_a_delivered_group_proves_nothing_an_audit_does_and_the_status_says_so(t
         extra = "SELECT COUNT(*) FROM jobs WHERE state = 'leased' AND extra = 1"
         assert len(lease(url, sid, 4).json()["jobs"]) == 1 and query(data, extra) == [(1,)]
         assert standing() == "newcomer: 0 of 6 tokens audited"
-        shown = subprocess.run(
-            [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
-            env=os.environ | {"ECHORL_TOKEN": TRAINER, "COLUMNS": "200"},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
+        shown = status_cli(url)
         assert "held back, not yet proven by the trainer's audit (1;" in shown, shown
         assert f"{sid} worker: newcomer: 0 of 6 tokens audited" in shown, shown
         pulled = httpx.post(

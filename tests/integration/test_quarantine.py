@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     read_jsonl,
     start_broker,
     start_trainer,
+    status_cli,
     stop_broker,
     wait_until,
 )
@@ -88,13 +89,7 @@ def run_swarm(tmp_path, model, steps, *trainer_args, auditor=False):
     try:
         out = trainer.communicate(timeout=1200)[0]
         assert trainer.returncode == 0, out
-        status = subprocess.run(
-            [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
-            env=os.environ | {"ECHORL_TOKEN": TRAINER, "COLUMNS": "200"},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
+        status = status_cli(url)
     finally:
         for s in samplers:
             if s.poll() is None:

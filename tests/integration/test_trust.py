@@ -122,12 +122,8 @@ def test_a_verifier_that_never_returns_stalls_nothing(tmp_path):
         stop_broker(proc)
 
 
-def hostile_pile(tmp_path, *overrides):
-    """A hostile-task broker (async, B = 8, G = 2, two verifier workers) whose verifier is
-    stuck: sampler `h`, having delivered three right groups (proving the workers up, and
-    earning the leases a newcomer's probation withholds), has pushed four groups of
-    pathological answers ("spin", "sleep": eight calls that each hang for the time limit).
-    Returns (process, url, another sampler, a job leased to it)."""
+def hostile_broker(tmp_path, *overrides):
+    """A broker of the hostile task, async, version 0 published. Returns (process, url)."""
     proc, url = start_broker(
         tmp_path / "b",
         free_port(),
@@ -135,11 +131,19 @@ def hostile_pile(tmp_path, *overrides):
         f"task.name={HOSTILE}",
         "-o",
         "broker.mode=async",
-        "-o",
-        "train.batch_prompts=8",
         *overrides,
     )
     publish(url, 0, b"w")
+    return proc, url
+
+
+def hostile_pile(tmp_path, *overrides):
+    """A hostile-task broker (async, B = 8, G = 2, two verifier workers) whose verifier is
+    stuck: sampler `h`, having delivered three right groups (proving the workers up, and
+    earning the leases a newcomer's probation withholds), has pushed four groups of
+    pathological answers ("spin", "sleep": eight calls that each hang for the time limit).
+    Returns (process, url, another sampler, a job leased to it)."""
+    proc, url = hostile_broker(tmp_path, "-o", "train.batch_prompts=8", *overrides)
     h, o = register(url, "h", task="hostile"), register(url, "o", task="hostile")
     for _ in range(3):
         (job,) = lease(url, h).json()["jobs"]
@@ -197,21 +201,13 @@ def test_sixteen_sybils_with_one_stuck_group_each_do_not_hold_a_proven_group_bac
     Now a proven sampler's group (the trainer audited its tokens) is scored ahead of every
     unproven identity's, and all identities of the shared token share one turn: the honest
     group reaches the trainer's pull within 10 s."""
-    proc, url = start_broker(
-        tmp_path / "b",
-        free_port(),
-        "-o",
-        f"task.name={HOSTILE}",
-        "-o",
-        "broker.mode=async",
-        "-o",
-        "train.batch_prompts=32",
-        "-o",
-        "quarantine.min_tokens=2",
+    proc, url = hostile_broker(
+        tmp_path,
+        *("-o", "train.batch_prompts=32"),
+        *("-o", "quarantine.min_tokens=2"),
         *PROBATION,  # a swarm the operator does not trust wholesale (the default)
     )
     try:
-        publish(url, 0, b"w")
         honest = register(url, "honest", task="hostile")
         (job,) = lease(url, honest).json()["jobs"]
         push(url, right(job, honest), honest)
