@@ -210,14 +210,12 @@ class BrokerClient:
         self,
         sampler_id: str,
         version_held: int | None = None,
-        tokens_per_s: float | None = None,
         fetch_s: float | None = None,
         sha256_held: str | None = None,
     ) -> int:
         body = HeartbeatRequest(
             version_held=version_held,
             sha256_held=sha256_held,
-            tokens_per_s=tokens_per_s,
             fetch_s=fetch_s,
         )
         path = f"/v1/samplers/{sampler_id}/heartbeat"
@@ -234,19 +232,17 @@ class BrokerClient:
         n: int = 1,
         wait_s: float = 0.0,
         version_held: int | None = None,
-        tokens_per_s: float | None = None,
         sha256_held: str | None = None,
     ) -> LeaseReply:
         """Up to `n` jobs; with `wait_s`, the broker holds the call until one is admitted.
         A lease is also a heartbeat: it may report the version held (and its weights'
-        sha256) and the last speed."""
+        sha256). Its speed the broker measures itself."""
         body = LeaseRequest(
             sampler_id=sampler_id,
             n=n,
             wait_s=wait_s,
             version_held=version_held,
             sha256_held=sha256_held,
-            tokens_per_s=tokens_per_s,
         )
         return self._post("/v1/jobs/lease", body, LeaseReply)
 

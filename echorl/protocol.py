@@ -324,6 +324,7 @@ class Arrival:
     prompt_ids: tuple[int, ...]
     group_size: int
     max_token: tuple[int, int]  # the largest token id, and the completion that holds it
+    tokens: int  # completion tokens, all completions (the broker's measure of a sampler's speed)
     body: str  # the group's JSON without the rewards (see broker.store.WIRE)
     claimed: str  # the sampler's rewards, as JSON
 
@@ -338,6 +339,7 @@ class Arrival:
             prompt_ids=tuple(group.prompt_ids),
             group_size=len(group.completions),
             max_token=max((max(c.token_ids), k) for k, c in enumerate(group.completions)),
+            tokens=group.tokens,
             body=group.model_dump_json(exclude={"rewards", "sampler"}),
             claimed=json.dumps(group.rewards),
         )
@@ -460,7 +462,7 @@ class SamplerStatus(_Wire):
     max_batch: int
     last_seen: float
     version_held: int | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # measured by the broker: its delivered groups' tokens over time
     state: Literal["alive", "lost", "left", "revoked", "quarantined"]
     reason: str | None = None  # why it was quarantined
     # The trainer's audit of its consumed tokens (decayed sums, recent reports weigh most):
@@ -531,9 +533,6 @@ class HeartbeatRequest(_Wire):
         description="seconds `version_held` took to fetch and load, told once it is loaded "
         "(the broker's capacity figures)",
     )
-    tokens_per_s: float | None = Field(
-        None, ge=0.0, le=1e9, description="generation speed of the last batch"
-    )
 
 
 # A long poll is held at most this long: under any client's read timeout, and short enough
@@ -588,7 +587,7 @@ class WeightSource(_Wire):
 
 
 class LeaseRequest(HeartbeatRequest):
-    """sampler -> broker: jobs, please. Also a heartbeat, with the version held and speed."""
+    """sampler -> broker: jobs, please. Also a heartbeat, with the version held."""
 
     sampler_id: str = Field(max_length=64)
     n: int = Field(1, ge=1, le=1024)

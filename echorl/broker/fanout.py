@@ -8,7 +8,10 @@ down a tree of depth about log_F(K): the broker's uplink carries it F times, not
 
 A peer that failed a sampler (reported with its next ask; a sampler can report only the
 source it was given) is not named again for that version, and once it has failed
-REPORTERS_TO_DROP different samplers, not at all.
+REPORTERS_TO_DROP different samplers, not at all. A failure downstream of a failed source
+is that source's: a peer whose own source failed it (a hostile peer high in the tree cut
+it, or sent wrong bytes) starts again and so cuts its own takers; their reports then count
+against the source above, not the honest relay, whichever report reaches the broker first.
 
 A peer that passes versions on slowly (a home line's uplink) would hold up its whole
 subtree: fan-out 2 under one 5 Mbit/s uplink among 50 Mbit/s links took longer than the
@@ -66,6 +69,10 @@ class FanOut:
         self.named_to: dict[tuple[int, str], str] = {}  # (version, asker) -> its source
         self.shunned: dict[int, set[str]] = {}  # version -> peers that failed it
         self.reporters: dict[str, set[str]] = {}  # peer -> the askers it failed
+        # (version, peer) -> the source that failed the peer (its failure, passed on)
+        self.cut: dict[tuple[int, str], str] = {}
+        # (version, peer) -> the takers that reported it failed them
+        self.blamed: dict[tuple[int, str], set[str]] = {}
         self.sizes: dict[int, int] = {}  # version -> bytes
         self.speeds = Speeds(trusted)
         self.named = Counter()  # "broker" / "peer": how often each was named
@@ -107,6 +114,8 @@ class FanOut:
                 del self.sources[old]
                 self.sizes.pop(old, None)
                 self.shunned.pop(old, None)
+                self.cut = {k: s for k, s in self.cut.items() if k[0] != old}
+                self.blamed = {k: s for k, s in self.blamed.items() if k[0] != old}
                 self.named_to = {k: s for k, s in self.named_to.items() if k[0] != old}
                 self.speeds.prune(old)
             if size:
@@ -118,9 +127,7 @@ class FanOut:
             if before is not None:
                 if failed is None or self.peers.get(before, ("",))[0] != failed:
                     return self._name(before, sha256)  # the same, again
-                self.shunned.setdefault(version, set()).add(before)  # anyone's word: a version
-                if self.trusted(asker):  # for good: two proven samplers' (two sybils' did)
-                    self.reporters.setdefault(before, set()).add(asker)
+                self._failed(version, before, asker)
             # Samplers keep the versions they hold and fetch (peers.KEEP): older ones, from
             # the broker.
             recent = version > max(self.sources) - KEEP
@@ -147,6 +154,34 @@ class FanOut:
             if asker in self.peers and asker not in sources:
                 sources[asker] = [0, sources[chosen][1] + 1]
             return self._name(chosen, sha256)
+
+    def _failed(self, version: int, source: str, asker: str) -> None:
+        """`asker` reports that `source`, named to it for `version`, failed it."""
+        upstream = self.cut.get((version, source))
+        if upstream is not None:  # the source's own source failed it: charged above
+            self._charge(version, upstream, asker)
+        else:
+            self._charge(version, source, asker)
+            self.blamed.setdefault((version, source), set()).add(asker)
+        if asker in self.peers and self.trusted(asker) and (version, asker) not in self.cut:
+            # The asker's takers, cut as it starts again, are its source's failures: those
+            # that reported it before this report came are taken back (once a version, and
+            # only a trusted asker's word: a sybil could excuse itself every time).
+            self.cut[(version, asker)] = source
+            for taker in self.blamed.pop((version, asker), set()):
+                held = self.reporters.get(asker, set())
+                held.discard(taker)
+                if not held:
+                    self.reporters.pop(asker, None)
+                self._charge(version, source, taker)
+            self.shunned.get(version, set()).discard(asker)
+
+    def _charge(self, version: int, source: str, asker: str) -> None:
+        """`source` failed `asker` at `version`: not named for it again; with REPORTERS_TO_DROP
+        trusted askers' word (two sybils' once did it), never again."""
+        self.shunned.setdefault(version, set()).add(source)  # anyone's word: a version
+        if self.trusted(asker) and source != BROKER:
+            self.reporters.setdefault(source, set()).add(asker)
 
     def _took(self, asker: str, took: Took) -> None:
         """`asker`'s report on the last version it fetched, to the judge of speeds."""

@@ -164,8 +164,8 @@ async def heartbeat(
 ) -> HeartbeatReply:
     caller.acts_as(sampler_id)
     now = time.time()
-    held, tps, foreign = body.version_held, body.tokens_per_s, st.foreign(body)
-    await st.write(st.store.heartbeat, sampler_id, now, held, tps, foreign)
+    held, foreign = body.version_held, st.foreign(body)
+    await st.write(st.store.heartbeat, sampler_id, now, held, foreign)
     if not foreign and st.standing.trusted(sampler_id):  # one unproven word moves nothing
         st.pace.fetched(body.version_held, body.fetch_s, sampler_id)
     return HeartbeatReply(latest_version=st.store.latest_version())
@@ -217,7 +217,7 @@ async def lease(
 
     def attempt():
         now = time.time()
-        st.store.heartbeat(body.sampler_id, now, body.version_held, body.tokens_per_s, foreign)
+        st.store.heartbeat(body.sampler_id, now, body.version_held, foreign)
         return st.store.lease(
             body.sampler_id,
             body.n,

@@ -84,15 +84,18 @@ CREATE TABLE IF NOT EXISTS jobs (
     prompt_ids TEXT NOT NULL, group_size INTEGER NOT NULL, required_version INTEGER,
     state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'done', 'parked')),
     lease_owner TEXT, lease_deadline REAL, attempts INTEGER NOT NULL DEFAULT 0,
-    extra INTEGER NOT NULL DEFAULT 0);  -- leased to a newcomer, beyond the budget
+    extra INTEGER NOT NULL DEFAULT 0,  -- leased to a newcomer, beyond the budget
+    leased_at REAL);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, job_id);
 CREATE TABLE IF NOT EXISTS rollouts (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), version INTEGER NOT NULL,
     sampler_id TEXT NOT NULL, body TEXT NOT NULL, claimed TEXT NOT NULL, rewards TEXT,
     created_at REAL NOT NULL,
     state TEXT NOT NULL CHECK (state IN ('scoring', 'ready', 'pulled', 'consumed', 'stale')),
-    pull_deadline REAL, pull_request TEXT, consumed_step INTEGER);
+    pull_deadline REAL, pull_request TEXT, consumed_step INTEGER,
+    tokens INTEGER NOT NULL DEFAULT 0);  -- completion tokens (a sampler's measured speed)
 CREATE INDEX IF NOT EXISTS rollouts_by_state ON rollouts (state, version);
+CREATE INDEX IF NOT EXISTS rollouts_by_sampler ON rollouts (sampler_id, created_at);
 CREATE TABLE IF NOT EXISTS audits (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), lease_deadline REAL,
     state TEXT NOT NULL CHECK (state IN ('open', 'leased', 'done', 'missed')));
@@ -106,6 +109,8 @@ MIGRATIONS = (
     ("samplers", "delivered", "INTEGER NOT NULL DEFAULT 0"),
     ("jobs", "extra", "INTEGER NOT NULL DEFAULT 0"),
     ("samplers", "cost_per_hour", "REAL"),
+    ("jobs", "leased_at", "REAL"),
+    ("rollouts", "tokens", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 WIRE = {"rewards", "sampler"}  # what a stored body leaves out: added when it is served
@@ -149,6 +154,25 @@ class Probation:
 
     def proven(self, delivered: int, audited_tokens: float) -> bool:
         return is_proven(self.proven_tokens, delivered, audited_tokens)
+
+
+SPEED_GROUPS = 16  # a sampler's speed is measured over its last this many groups
+
+
+def delivered_speed(spans: list[tuple[float, float, int]]) -> float | None:
+    """Tokens per second of busy time, from (leased at, pushed at, tokens) of a sampler's
+    groups: their tokens over the union of their lease-to-push spans, so the jobs of one lease
+    generated together, or leases that overlap, count their time once. What the broker saw,
+    which no claim moves: a sampler can look slower than it is (it waited), never faster
+    than the groups it delivered. None while the spans are too short to time."""
+    busy, end = 0.0, float("-inf")
+    for start, stop, _ in sorted(spans):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    if busy < 1e-3:
+        return None
+    return sum(tokens for _, _, tokens in spans) / busy
 
 
 def fair_share(n: int, speed: float | None, fastest: float | None) -> int:
@@ -445,7 +469,7 @@ class BrokerStore(SwarmBook):
             fresh = self._create_jobs(c, n - len(queued), group_size)
             deadline = now + lease_seconds
             return [
-                self._lease_one(c, job_id, sampler_id, deadline, required_version, newcomer)
+                self._lease_one(c, job_id, sampler_id, now, deadline, required_version, newcomer)
                 for job_id in queued + fresh
             ]
 
@@ -485,14 +509,15 @@ class BrokerStore(SwarmBook):
         c,
         job_id: int,
         sampler_id: str,
+        now: float,
         deadline: float,
         required_version: int | None,
         extra: bool = False,
     ) -> Job:
         c.execute(
-            "UPDATE jobs SET state = 'leased', lease_owner = ?, lease_deadline = ?, "
+            "UPDATE jobs SET state = 'leased', lease_owner = ?, leased_at = ?, lease_deadline = ?, "
             "required_version = ?, extra = ? WHERE job_id = ?",
-            (sampler_id, deadline, required_version, int(extra), job_id),
+            (sampler_id, now, deadline, required_version, int(extra), job_id),
         )
         task, seed, prompt, prompt_ids, g = c.execute(
             "SELECT task, seed, prompt, prompt_ids, group_size FROM jobs WHERE job_id = ?",
@@ -536,7 +561,13 @@ class BrokerStore(SwarmBook):
         """Store `group` for a job the caller holds, durably, to be scored. Returns the job's
         problem seed (what the verifier needs), or None (and stores nothing) when the job's
         group was already stored: pushing twice is harmless."""
-        return self._tx(lambda c: self._push_one(c, sampler_id, group, now))
+
+        def fn(c):
+            seed = self._push_one(c, sampler_id, group, now)
+            self._measure(c, sampler_id)
+            return seed
+
+        return self._tx(fn)
 
     def push_many(
         self, sampler_id: str, groups: list[Arrival | ScoredGroup], now: float
@@ -552,6 +583,7 @@ class BrokerStore(SwarmBook):
                     results.append(self._push_one(c, sampler_id, group, now))
                 except ProtocolError as e:
                     results.append(str(e))
+            self._measure(c, sampler_id)
             return results
 
         return self._tx(fn)
@@ -584,14 +616,26 @@ class BrokerStore(SwarmBook):
                 f"the group was generated by {sorted(group.versions)}"
             )
         c.execute(
-            "INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, NULL, ?, 'scoring', NULL, NULL, NULL)",
-            (group.job_id, group.version, sampler_id, group.body, group.claimed, now),
+            "INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, NULL, ?, 'scoring', NULL, NULL, NULL, ?)",
+            (group.job_id, group.version, sampler_id, group.body, group.claimed, now, group.tokens),
         )
         c.execute(
             "UPDATE jobs SET state = 'done', lease_deadline = NULL WHERE job_id = ?",
             (group.job_id,),
         )
         return seed
+
+    @staticmethod
+    def _measure(c, sampler_id: str) -> None:
+        """The sampler's speed as the broker saw it (`delivered_speed`), never as it claims."""
+        spans = c.execute(
+            "SELECT j.leased_at, r.created_at, r.tokens FROM rollouts r JOIN jobs j "
+            "ON j.job_id = r.job_id WHERE r.sampler_id = ? AND j.leased_at IS NOT NULL "
+            f"ORDER BY r.created_at DESC LIMIT {SPEED_GROUPS}",
+            (sampler_id,),
+        ).fetchall()
+        if (speed := delivered_speed(spans)) is not None:
+            c.execute("UPDATE samplers SET tokens_per_s = ? WHERE id = ?", (speed, sampler_id))
 
     def scored(self, verdicts: list[tuple[int, float, list[float] | None]]) -> tuple[int, int, int]:
         """The verifier's verdicts, in one transaction: (job id, the group's created_at, the

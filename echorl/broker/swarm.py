@@ -183,7 +183,6 @@ class SwarmBook:
         sampler_id: str,
         now: float,
         version_held: int | None = None,
-        tokens_per_s: float | None = None,
         foreign: bool = False,
     ) -> None:
         """The sampler is alive, holding `version_held` (None: as last told). A version it
@@ -204,9 +203,8 @@ class SwarmBook:
             gone = version_held is not None and (foreign or version_held > latest[0])
             c.execute(
                 "UPDATE samplers SET last_seen = ?, state = 'alive', version_held = CASE WHEN ? "
-                "THEN NULL ELSE COALESCE(?, version_held) END, "
-                "tokens_per_s = COALESCE(?, tokens_per_s) WHERE id = ?",
-                (now, gone, version_held, tokens_per_s, sampler_id),
+                "THEN NULL ELSE COALESCE(?, version_held) END WHERE id = ?",
+                (now, gone, version_held, sampler_id),
             )
 
         self._tx(fn)

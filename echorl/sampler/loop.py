@@ -65,7 +65,8 @@ class Sampler:
         self.pushed = self.rejected = 0
         self.cancelled_jobs = self.wasted_tokens = 0  # sync: work for a version gone by
         self.idle_s = 0.0  # in leases, waiting for admitted jobs, since the last batch
-        self.tokens_per_s: float | None = None  # of the last batch
+        self.tokens_per_s: float | None = None  # of the last batch (its metrics; the broker
+        # measures the speed it goes by from what the sampler delivers)
         self.max_body_bytes = cfg.broker.max_body_bytes  # the broker's, once registered
 
     @property
@@ -146,7 +147,7 @@ class Sampler:
                     )
                 else:
                     self.pushed += 1
-        self.tokens_per_s = tokens / (gen_s + throttle_s)  # told to the broker with the next lease
+        self.tokens_per_s = tokens / (gen_s + throttle_s)
         if self.metrics:
             self.metrics.write(
                 {
@@ -268,7 +269,6 @@ class Sampler:
                         self.cfg.sampler.jobs_per_lease,
                         self.cfg.sampler.lease_wait_s,
                         self.version,
-                        self.tokens_per_s,
                         self.sha256,
                     )
                 self.idle_s += time.perf_counter() - t0

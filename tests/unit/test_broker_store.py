@@ -389,10 +389,33 @@ def test_a_slow_sampler_leases_its_share_of_what_it_asks(n, speed, fastest, shar
     assert fair_share(n, speed, fastest) == share
 
 
+@pytest.mark.parametrize(
+    "spans, speed",
+    [
+        ([(0.0, 2.0, 100)], 50.0),
+        ([(0.0, 2.0, 100), (0.0, 2.0, 100)], 100.0),  # one lease of two jobs: its time once
+        ([(0.0, 2.0, 100), (1.0, 3.0, 100)], 200 / 3),  # overlapping leases (pipelined)
+        ([(0.0, 1.0, 100), (5.0, 6.0, 100)], 100.0),  # idle between leases is not counted
+        ([(0.0, 0.0, 100)], None),  # too short to time
+        ([], None),
+    ],
+)
+def test_a_samplers_speed_is_its_tokens_over_its_busy_time(spans, speed):
+    from echorl.broker.store import delivered_speed
+
+    assert delivered_speed(spans) == (None if speed is None else pytest.approx(speed))
+
+
 def test_leases_by_speed_follow_the_measured_tokens_per_second(s):
+    """The broker times each sampler's groups itself: 6 tokens 0.01 s after the lease is
+    600 tokens/s, after 0.04 s 150 (a quarter of the fastest: a quarter of the ask)."""
+    s.set_latest_version(0)
     fast, slow = sampler(s, "fast"), sampler(s, "slow")
-    s.heartbeat(fast, 0, None, 400.0)
-    s.heartbeat(slow, 0, None, 100.0)
+    for who, took in ((fast, 0.01), (slow, 0.04)):
+        (job,) = s.lease(who, 1, 2, now=0, lease_seconds=10)
+        push(s, who, group(s, job.job_id), [1.0, 0.0], now=took)
+    speeds = dict(s.db.execute("SELECT name, tokens_per_s FROM samplers"))
+    assert speeds == {"fast": pytest.approx(600.0), "slow": pytest.approx(150.0)}
     assert len(s.lease(fast, 8, 2, now=0, lease_seconds=10, by_speed=True)) == 8
     assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10, by_speed=True)) == 2
     assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10)) == 8  # off: as asked
@@ -728,10 +751,11 @@ def test_only_an_audited_sampler_leases_from_the_budget_and_a_lapse_costs_half(s
     assert len(jobs) == 2 and extra == 0  # first + delivered // 2, still from the budget
 
 
-def test_an_unproven_identitys_claimed_speed_shrinks_nobodys_lease(s):
+def test_an_unproven_identitys_speed_shrinks_nobodys_lease(s):
     """With leases by speed, a fresh identity claiming 1e9 tokens/s made every honest
-    sampler 'slower than half the fastest': a 16-job ask became 1. The fastest is now taken
-    among proven samplers only."""
+    sampler 'slower than half the fastest': a 16-job ask became 1. Speeds are now measured
+    by the broker, and the fastest is taken among proven samplers only: an unproven
+    identity that delivers a group at once shrinks no one's lease."""
     probation = Probation(first=1000, newcomers=1000, proven_tokens=10)
     policy = Quarantine(min_tokens=10, max_mean_abs=0.5, max_kl=0.05, max_beyond=0.1, decay=1.0)
     s.set_latest_version(0)
@@ -740,8 +764,8 @@ def test_an_unproven_identitys_claimed_speed_shrinks_nobodys_lease(s):
     push(s, a, group(s, job.job_id), [1.0, 0.0], now=1.0)
     clean = {"tokens": 10, "abs_delta": 0.0, "kl": 0.0, "beyond": 0.0}
     s.audit([GroupAudit(job_id=job.job_id, **clean)], policy, step=0)  # a is proven
-    s.heartbeat(a, 2.0, tokens_per_s=100.0)
-    s.heartbeat(liar, 2.0, tokens_per_s=1e9)
+    (quick,) = s.lease(liar, 1, 2, 2.0, 10, probation=probation)
+    push(s, liar, group(s, quick.job_id), [0.0, 0.0], now=2.0 + 1e-3)  # 6,000 tokens/s
     got = s.lease(a, 16, 2, 3.0, 10, probation=probation, by_speed=True)
     assert len(got) == 16
 

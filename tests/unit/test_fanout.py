@@ -230,3 +230,46 @@ def test_untrusted_words_drop_no_peer_and_move_no_line_and_a_silent_peer_is_judg
     assert "q" not in sp.slow  # waiting for q's own report
     sp.told("p", took(1 + JUDGE_AFTER, 1.0), size, None, 1, [])  # versions go on
     assert sp.slow.get("q", (None,))[0] == 1  # a leaf now, from its takers' word
+
+
+@pytest.mark.parametrize("first", ["relay", "takers"])
+def test_a_failure_downstream_of_a_cutting_peer_is_charged_to_it(first):
+    """A hostile peer h high in the tree cuts its taker p halfway; p starts again, which
+    cuts p's own takers a and b, and they report p. Before, p (honest) was shunned for the
+    version and, with two reporters, for good. Now the failure is h's whichever report
+    comes first: p is named again (this version and the next), h is dropped for good."""
+    fan = FanOut(1, trusted=lambda s: s != "h")
+    for sid in ("h", "p", "a", "b", "c"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    fan.source(0, SHA, "h", None)  # the broker's one
+    assert fan.source(0, SHA, "p", None).url == "http://h.peer:9000"
+    assert fan.source(0, SHA, "a", None).url == "http://p.peer:9000"
+    assert fan.source(0, SHA, "b", None).url == "http://a.peer:9000"
+    fan.source(0, SHA, "c", None)
+    if first == "relay":  # p's report of h reaches the broker before its takers' of p
+        fan.source(0, SHA, "p", "http://h.peer:9000")
+        fan.source(0, SHA, "a", "http://p.peer:9000")
+    else:
+        fan.source(0, SHA, "a", "http://p.peer:9000")
+        fan.source(0, SHA, "p", "http://h.peer:9000")
+    assert fan.reporters == {"h": {"p", "a"}}  # the cut is h's: two trusted samplers' word
+    assert "p" not in fan.shunned[0] and "h" in fan.shunned[0]
+    for v in (1, 2):
+        fan.source(v, SHA, "p", None)
+        assert fan.source(v, SHA, "a", None).url == "http://p.peer:9000"  # named again
+        fan.source(v, SHA, "h", None)
+        assert fan.source(v, SHA, "c", None).url != "http://h.peer:9000"  # never again
+
+
+def test_an_untrusted_relay_cannot_pass_its_failures_upstream():
+    """A sybil that cuts its takers and then says its own source cut it: its takers' word
+    still counts against it (an excuse is a trusted sampler's, once a version)."""
+    fan = FanOut(1, trusted=lambda s: not s.startswith("sybil"))
+    for sid in ("p", "sybil", "a"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    fan.source(0, SHA, "p", None)
+    assert fan.source(0, SHA, "sybil", None).url == "http://p.peer:9000"
+    assert fan.source(0, SHA, "a", None).url == "http://sybil.peer:9000"
+    fan.source(0, SHA, "a", "http://sybil.peer:9000")
+    fan.source(0, SHA, "sybil", "http://p.peer:9000")
+    assert fan.reporters == {"sybil": {"a"}} and "sybil" in fan.shunned[0]
