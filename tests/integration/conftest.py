@@ -242,6 +242,20 @@ def learning(out):
     return sum(train[:10]) / 10, sum(train[-10:]) / 10, evals[0], evals[-1]
 
 
+def audited(url, job_id, tokens) -> None:
+    """The trainer acks `job_id`'s group (pulled) at step 0 and reports a clean audit of
+    `tokens` of its tokens: its sampler is proven once that reaches quarantine.min_tokens."""
+    ack = {"job_ids": [job_id], "step": 0}
+    assert httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).status_code == 200
+    audit = {"job_id": job_id, "tokens": tokens, "abs_delta": 0.0, "kl": 0.0, "beyond": 0}
+    r = httpx.post(
+        f"{url}/v1/trainer/audit",
+        json={"step": 0, "groups": [audit | {"exact": True}]},
+        headers=as_(TRAINER),
+    )
+    assert r.status_code == 200 and r.json()["quarantined"] == {}, r.text
+
+
 def status_cli(url) -> str:
     """What `echorl status --broker URL` prints (as the trainer, on a wide terminal)."""
     return subprocess.run(

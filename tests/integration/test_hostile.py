@@ -29,6 +29,7 @@ from tests.integration.conftest import (
     SAMPLER,
     TRAINER,
     as_,
+    audited,
     free_port,
     group,
     lease,
@@ -228,6 +229,19 @@ def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode, first):
     each, 9-17% sync, 27% async), because an identity the trainer has not audited enough
     (`quarantine.min_tokens`) holds one job, and all such together hold
     `broker.newcomer_jobs` beyond the trainer's budget."""
+    got = hoard_run(tmp_path, mode, first == "one junk group")
+    print(f"{mode}: {got['honest']:.2f} steps/s honest, {got['attacked']:.2f} under sybils")
+    assert got["identities"] >= 20 and got["held"]  # the attack ran, its identities held jobs
+    if first == "one junk group":
+        assert got["junk"] >= 10  # delivered, scored: before, each then leased from the budget
+    assert got["attacked"] >= 0.8 * got["honest"]
+
+
+def hoard_run(tmp_path, mode, junk_first) -> dict:
+    """A run (2 honest samplers, B = 4) whose step rate is timed over 15 steps, then over 20
+    steps while fresh identities hoard (each first delivering one junk group if
+    `junk_first`). Returns steps/s `honest` and `attacked`, and the attack's `identities`,
+    jobs `held` and `junk` groups delivered (also bench/trust.py's)."""
     model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
     run = ["-o", f"broker.mode={mode}", "-o", "train.batch_prompts=4", "-o", "train.group_size=2"]
     run += ["-o", "sampling.max_new_tokens=8", "-o", "train.drop_flat_groups=false"]
@@ -250,7 +264,7 @@ def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode, first):
     attack = threading.Thread(
         target=sybil,
         args=(url, stop, held, identities),
-        kwargs={"junk": junk if first == "one junk group" else None},
+        kwargs={"junk": junk if junk_first else None},
         daemon=True,
     )
     times = {}
@@ -278,13 +292,13 @@ def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode, first):
             p.terminate()
             p.communicate(timeout=60)  # read: a full pipe would block its writes
         stop_broker(proc)
-    honest = 15 / (times[20] - times[5])
-    attacked = 20 / (times[s0 + 20] - times[s0])
-    print(f"{mode}: {honest:.2f} steps/s honest, {attacked:.2f} under {len(identities)} sybils")
-    assert len(identities) >= 20 and held  # the attack ran, and its identities held jobs
-    if first == "one junk group":
-        assert len(junk) >= 10  # delivered, scored: before, each then leased from the budget
-    assert attacked >= 0.8 * honest
+    return {
+        "honest": 15 / (times[20] - times[5]),
+        "attacked": 20 / (times[s0 + 20] - times[s0]),
+        "identities": len(identities),
+        "held": len(held),
+        "junk": len(junk),
+    }
 
 
 def test_register_and_leave_floods_leave_status_quick_and_short(tmp_path):
@@ -618,17 +632,7 @@ def test_a_delivered_group_proves_nothing_an_audit_does_and_the_status_says_so(t
             f"{url}/v1/batches/pull", json={"n": 1, "step": 0, "wait_s": 2}, headers=as_(TRAINER)
         ).json()["groups"]
         assert [g["job_id"] for g in pulled] == [job["job_id"]]
-        ack = {"job_ids": [job["job_id"]], "step": 0}
-        assert (
-            httpx.post(f"{url}/v1/batches/ack", json=ack, headers=as_(TRAINER)).status_code == 200
-        )
-        audit = {"job_id": job["job_id"], "tokens": 6, "abs_delta": 0.0, "kl": 0.0, "beyond": 0}
-        r = httpx.post(
-            f"{url}/v1/trainer/audit",
-            json={"step": 0, "groups": [audit | {"exact": True}]},
-            headers=as_(TRAINER),
-        )
-        assert r.status_code == 200 and r.json()["quarantined"] == {}
+        audited(url, job["job_id"], 6)
         assert standing() == "proven"
         got = lease(url, sid, 4).json()["jobs"]
         held_extra = query(data, extra)[0][0]

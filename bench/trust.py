@@ -1,0 +1,255 @@
+"""Benchmark: what each attack on trust (issue 32) costs a run now, against real broker
+processes over real HTTP, beside what it cost before standing (the issue's measurements).
+
+    python bench/trust.py [--only launder hoard turns peers claims]
+
+Rows:
+- launder: completions no generation emits (`[eos] + answer + [eos]`, an eos inside)
+  pushed by a sampler: how many the broker stored (before: stored and scored 1; 17% of a
+  run's consumed groups were one such sampler's).
+- hoard sync / async: a run's step rate (2 honest samplers, B = 4, the 1m tiny model) while
+  fresh identities each deliver one junk group and then lease and never push, against the
+  same run's rate before the attack (the tests' bound: >= 80%).
+- turns: seconds from a proven sampler's push to the trainer's pull of its group, 16 fresh
+  identities' verifier-hanging groups pushed before it (bound: < 10 s).
+- peers: two sybils each report an honest peer failed once: the share of the next 11
+  versions it is named in; sybils' download reports of 86,400 s and 1e-6 s: the `min_rate`
+  peers are named with (bounded by MIN_RATE_RANGE, from proven samplers' lines only).
+- claims: a sampler telling the broker its speed (1e9 tokens/s): refused, as the wire has no
+  such field; speeds are what the broker measures.
+
+Prints a table; writes bench/results/trust.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# The attacks are the tests' own (one copy): each test asserts the bound, this prints the number.
+from echorl.broker.fanout import MIN_RATE_RANGE  # noqa: E402
+from tests.integration import conftest as io  # noqa: E402
+from tests.integration.test_hostile import CODEC, EOS, hoard_run, right_answer  # noqa: E402
+from tests.integration.test_trust import proven_group_delay, pull_until  # noqa: E402
+
+ATTACKS = ("launder", "hoard", "turns", "peers", "claims")
+
+
+def launder(tmp: Path) -> list[dict]:
+    proc, url = io.start_broker(tmp / "b", io.free_port())
+    try:
+        io.publish(url, 0, b"w")
+        sid = io.register(url, "launderer")
+        (job,) = io.lease(url, sid).json()["jobs"]
+        answer = CODEC.encode(right_answer(job))
+        forms = [[EOS, *answer, EOS], [*answer, EOS, *CODEC.encode("9"), EOS]]
+        stored = 0
+        for ids in forms:
+            c = {"token_ids": ids, "logprobs": [-0.01] * len(ids), "finished": True}
+            body = io.group(job) | {"completions": [io.group(job)["completions"][0], c]}
+            r = httpx.post(
+                f"{url}/v1/rollouts", json={"sampler_id": sid, "group": body}, headers=io.as_(sid)
+            )
+            stored += r.status_code == 200
+    finally:
+        io.stop_broker(proc)
+    return [
+        row(
+            "launder",
+            "completions with an eos before their end, stored",
+            "2 of 2 (scored 1; 17% of a run's groups)",
+            f"{stored} of {len(forms)} (422)",
+            stored == 0,
+            stored=stored,
+            pushed=len(forms),
+        )
+    ]
+
+
+def hoard(tmp: Path) -> list[dict]:
+    rows = []
+    for mode, before in (("sync", "9-17%"), ("async", "27%")):
+        got = hoard_run(tmp / mode, mode, junk_first=True)
+        share = got["attacked"] / got["honest"]
+        rows.append(
+            row(
+                f"hoard {mode}",
+                f"step rate under {got['identities']} sybils (1 junk group each, then "
+                "hoarding) / honest rate",
+                before,
+                f"{share:.0%} ({got['attacked']:.2f} / {got['honest']:.2f} steps/s)",
+                share >= 0.8,
+                **got,
+                share=share,
+            )
+        )
+    return rows
+
+
+def turns(tmp: Path) -> list[dict]:
+    took = proven_group_delay(tmp, 16)
+    return [
+        row(
+            "turns",
+            "a proven group's push -> pull, behind 16 sybils' stuck groups",
+            "40 s",
+            f"{took:.1f} s",
+            took < 10,
+            seconds=took,
+        )
+    ]
+
+
+def peers(tmp: Path) -> list[dict]:
+    """A broker (async, peer fan-out 1, probation on): p and a proven by the trainer's audit,
+    two sybils fresh; every version ~1 MB."""
+    proc, url = io.start_broker(
+        tmp / "b",
+        io.free_port(),
+        *("-o", "broker.peer_fanout=1"),
+        *("-o", "quarantine.min_tokens=2"),
+        *("-o", "broker.mode=async"),
+        *io.PROBATION,
+    )
+    size = 1 << 20
+    try:
+        io.publish(url, 0, b"\0" * size)
+        port = {}
+
+        def join(name):
+            port[name] = io.free_port()
+            return io.register(url, name, peer_url=f"http://127.0.0.1:{port[name]}")
+
+        honest = {name: join(name) for name in ("p", "a")}
+        for sid in honest.values():  # a delivered group the trainer audited: proven
+            (job,) = io.lease(url, sid).json()["jobs"]
+            body = {"sampler_id": sid, "group": io.group(job)}
+            assert (
+                httpx.post(f"{url}/v1/rollouts", json=body, headers=io.as_(sid)).status_code == 200
+            )
+            assert pull_until(url, job["job_id"], 60) < 60
+            io.audited(url, job["job_id"], 4)
+        sybils = [join(f"sybil{k}") for k in range(2)]
+
+        def ask(v, sid, **body):
+            r = httpx.post(f"{url}/v1/versions/{v}/source", json=body, headers=io.as_(sid))
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        p_url = f"http://127.0.0.1:{port['p']}"
+        for v, sybil in enumerate(sybils, start=1):  # each sybil: "p failed me", once
+            io.publish(url, v, bytes([v]) * size)
+            ask(v, honest["p"])  # the broker's one
+            if ask(v, sybil)["url"] == p_url:
+                ask(v, sybil, failed=p_url)
+        named, rates = 0, []
+        versions = range(len(sybils) + 1, len(sybils) + 12)
+        for v in versions:
+            io.publish(url, v, bytes([v % 256]) * size)
+            # p got the last version from the broker in 1 s; the sybils in 86,400 s, 1e-6 s
+            ask(v, honest["p"], took={"version": v - 1, "seconds": 1.0})  # the broker's one
+            got = ask(v, honest["a"])  # p named to a? at what min_rate (the reports so far)?
+            named += got["url"] == p_url
+            if got["min_rate"] is not None:
+                rates.append(got["min_rate"])
+            # Each sybil reports its last version from the broker took 86,400 s or 1e-6 s.
+            for sid, seconds in zip(sybils, (86_400.0, 1e-6)):
+                ask(v, sid, took={"version": v - 1, "seconds": seconds})
+    finally:
+        io.stop_broker(proc)
+    low, high = MIN_RATE_RANGE
+    in_range = bool(rates) and all(low <= r <= high for r in rates)
+    return [
+        row(
+            "peers: reports",
+            "an honest peer two sybils reported failed: named in the next 11 versions",
+            "0 of 11",
+            f"{named} of {len(versions)}",
+            named >= 0.8 * len(versions),
+            named=named,
+            versions=len(versions),
+        ),
+        row(
+            "peers: min_rate",
+            "min_rate after sybils' 86,400 s and 1e-6 s downloads (B/s)",
+            "6 and 2.5e10",
+            f"{min(rates):.3g} .. {max(rates):.3g}" if rates else "none",
+            in_range,
+            min_rate=[min(rates), max(rates)] if rates else None,
+            range=list(MIN_RATE_RANGE),
+        ),
+    ]
+
+
+def claims(tmp: Path) -> list[dict]:
+    proc, url = io.start_broker(tmp / "b", io.free_port())
+    try:
+        io.publish(url, 0, b"w")
+        sid = io.register(url, "boaster")
+        r = httpx.post(
+            f"{url}/v1/samplers/{sid}/heartbeat", json={"tokens_per_s": 1e9}, headers=io.as_(sid)
+        )
+        speed = httpx.get(f"{url}/v1/status", headers=io.as_(io.TRAINER)).json()["samplers"][0][
+            "tokens_per_s"
+        ]
+    finally:
+        io.stop_broker(proc)
+    return [
+        row(
+            "claims",
+            "a sampler's claim of 1e9 tokens/s: answer, and the speed the broker holds",
+            "believed (the advice kept it alone)",
+            f"{r.status_code}, {speed}",
+            r.status_code == 422 and speed is None,
+            status=r.status_code,
+            speed=speed,
+        )
+    ]
+
+
+def row(attack, measured, before, now, within, **numbers) -> dict:
+    return {
+        "attack": attack,
+        "measured": measured,
+        "before": before,
+        "now": now,
+        "within_bound": within,
+        **numbers,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=ATTACKS, default=list(ATTACKS))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "trust.json"))
+    args = ap.parse_args()
+    console, rows = Console(width=150), []
+    t0 = time.monotonic()
+    for name in args.only:
+        console.log(f"attack: {name}")
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += globals()[name](Path(tmp))
+    table = Table(title="Trust: what each attack costs a run (2 cores; before = the issue's)")
+    for col in ("attack", "measured", "before", "now", "within bound"):
+        table.add_column(col)
+    for r in rows:
+        ok = "[green]yes[/]" if r["within_bound"] else "[red]NO[/]"
+        table.add_row(r["attack"], r["measured"], r["before"], r["now"], ok)
+    console.print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "wall_s": time.monotonic() - t0}, indent=1))
+    console.log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
