@@ -51,14 +51,17 @@ class Limits:
     max_turns: int = 0  # multi-turn: model turns per episode (0: single-turn)
     max_action_tokens: int = 0  # and tokens per turn
     stops: frozenset[int] = frozenset()  # tokens that end generation (a completion, a turn)
+    never: frozenset[int] = frozenset()  # tokens generation never emits (never_emitted)
 
     @classmethod
     def of(cls, task: Task | Environment, cfg: RunConfig, codec: RunTokenizer) -> Limits:
         if is_environment(task):  # a turn ends at eos or at the action's newline (`play`)
             stops = frozenset({codec.eos_id, codec.encode("\n")[-1]})
-            return cls(task.name, 0, task.max_turns, task.max_action_tokens, stops)
+            never = frozenset(codec.never_emitted)
+            return cls(task.name, 0, task.max_turns, task.max_action_tokens, stops, never)
         max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
-        return cls(task.name, max_new, stops=frozenset({codec.eos_id}))
+        never = frozenset(codec.never_emitted)
+        return cls(task.name, max_new, stops=frozenset({codec.eos_id}), never=never)
 
     def check(self, group: ScoredGroup) -> None:
         """No completion longer than the run lets a sampler generate (Unprocessable): the
@@ -68,7 +71,9 @@ class Limits:
         tokens scored are the tokens trained on and audited. And a completion is only what
         generation emits: a stop token (eos; a turn's newline) ends a completion or a
         model turn, so none comes before its end (an answer behind a leading eos would be
-        scored, the decode dropping the eos, while the loss trained the eos first)."""
+        scored, the decode dropping the eos, while the loss trained the eos first), and no
+        other special token (a pad) is in it at all: every backend keeps generation from
+        emitting one, and the decode would drop it from the text the verifier scores."""
         for k, c in enumerate(group.completions):
             if self.max_turns:
                 turns = c.turns or []
@@ -79,7 +84,7 @@ class Limits:
                         f"{self.task} allows {self.max_turns} of {self.max_action_tokens}"
                     )
                 for n, (start, end) in enumerate(c.spans):
-                    self.stops_only_at_end(c.token_ids[start:end], f"completions[{k}] turn {n}")
+                    self.emitted(c.token_ids[start:end], f"completions[{k}] turn {n}")
             elif c.turns is not None:
                 # The loss and the audit train only a model turn's tokens; the verifier reads
                 # them all. Turns a single-turn task never makes would credit the model for
@@ -94,10 +99,18 @@ class Limits:
                     f"most {self.max_new_tokens} (max_new_tokens)"
                 )
             else:
-                self.stops_only_at_end(c.token_ids, f"completions[{k}]")
+                self.emitted(c.token_ids, f"completions[{k}]")
 
-    def stops_only_at_end(self, ids: list[int], where: str) -> None:
-        """Unprocessable when a stop token comes before the last of `ids`."""
+    def emitted(self, ids: list[int], where: str) -> None:
+        """Unprocessable when `ids` (a model's run of tokens) are not what generation emits:
+        a stop token before the last of them, or a token generation never emits."""
+        if not self.never.isdisjoint(ids):
+            at = next(i for i, t in enumerate(ids) if t in self.never)
+            raise Unprocessable(
+                f"{where}: token {ids[at]} at position {at} of {len(ids)} is a special token "
+                "generation never emits (every backend suppresses it; the decode would drop "
+                "it from the text scored)"
+            )
         if self.stops.isdisjoint(ids[:-1]):  # the common case, in C
             return
         early = next(i for i, t in enumerate(ids) if t in self.stops)

@@ -19,8 +19,38 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from echorl.models.tokenizer import never_emitted
+
 log = logging.getLogger(__name__)
 ROUND_TRIP_PROBE = "a b  c\n12 + 34 = 46"
+SUPPRESSED = -1e4  # the logit of a token never emitted: exp underflows to 0 in every dtype
+
+
+def suppress(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """Make the model's logits of the tokenizer's special tokens other than eos
+    (`tokenizer.never_emitted`) SUPPRESSED, on every forward pass: generation never emits
+    one, and every log-prob (the trainer's loss and audit, the reference, an auditor) is
+    of the distribution samplers draw from. A hook on the output layer, so wrappers (DDP,
+    FSDP2, peft) keep it; vLLM and OpenAI-compatible servers get the same as a logit bias."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    head = model.get_output_embeddings()
+    if backend is None or head is None or getattr(model, "_echorl_suppressed", None) is not None:
+        return model
+    ids = [i for i in never_emitted(backend, tokenizer.eos_token_id) if i < head.out_features]
+    model._echorl_suppressed = ids
+    if ids:
+        head.register_forward_hook(_Suppress(ids))
+    return model
+
+
+class _Suppress:
+    """The output layer's forward hook (a class, not a closure: a model stays picklable)."""
+
+    def __init__(self, ids: list[int]):
+        self.index = torch.tensor(ids)
+
+    def __call__(self, _module, _inputs, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_fill(-1, self.index.to(logits.device), SUPPRESSED)
 
 
 class NotAModelFolder(FileNotFoundError):
@@ -72,4 +102,4 @@ def load_policy(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model.to(device).eval(), tokenizer
+    return suppress(model, tokenizer).to(device).eval(), tokenizer

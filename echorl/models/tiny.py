@@ -21,6 +21,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from echorl.models.loading import suppress
 from echorl.models.tokenizer import build_byte_tokenizer
 
 # name -> (hidden, layers, heads, kv heads, mlp width); parameter counts in the README.
@@ -86,7 +87,7 @@ def build_tiny_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model.eval(), tokenizer
+    return suppress(model, tokenizer).eval(), tokenizer
 
 
 def save_tiny_model(path: str | Path, preset: str = "1m", seed: int = 0) -> Path:

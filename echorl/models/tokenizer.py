@@ -29,6 +29,16 @@ if TYPE_CHECKING:
 
     from echorl.config import SamplingConfig
 
+
+def never_emitted(tok: Tokenizer, eos_id: int) -> tuple[int, ...]:
+    """The special tokens other than eos: the decode drops them, so a completion holding one
+    would be scored on other text than the loss trains on. Every backend keeps generation
+    from emitting them (and the trainer's log-probs from counting them), and the broker
+    refuses a completion that holds one."""
+    added = tok.get_added_tokens_decoder()
+    return tuple(sorted(i for i, t in added.items() if t.special and i != eos_id))
+
+
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN)  # ids 0 and 1
@@ -127,6 +137,10 @@ class RunTokenizer:
     @property
     def eos_id(self) -> int:
         return self.tok.token_to_id(self.eos_token)
+
+    @cached_property
+    def never_emitted(self) -> tuple[int, ...]:
+        return never_emitted(self.tok, self.eos_id)
 
     @cached_property
     def fingerprint(self) -> str:

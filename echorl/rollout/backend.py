@@ -27,6 +27,10 @@ from echorl.protocol import Completion, LoraSpec
 from echorl.seeding import derive_seed
 
 SEED_MASK = (1 << 31) - 1  # engine seeds are C ints on some paths (vLLM)
+# The logit bias that keeps a server engine from emitting a token (RunTokenizer.never_emitted):
+# OpenAI's API and vLLM clamp biases to [-100, 100]; exp(-100) is 0 beside any real token's
+# probability in float32, so its log-probs are the trainer's (models.loading.suppress).
+NEVER_BIAS = -100.0
 
 
 class EngineRefused(RuntimeError):

@@ -35,6 +35,7 @@ from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, LoraSpec
 from echorl.rollout.backend import (
+    NEVER_BIAS,
     Adapters,
     EngineRefused,
     completion,
@@ -145,6 +146,9 @@ class OpenAIBackend:
                 "seed": seed,
                 "stop_token_ids": stops,
                 "ignore_eos": True,
+                # special tokens the decode drops: never emitted (vLLM's processed log-probs
+                # are of the biased distribution, as the trainer's are of its suppressed one)
+                "logit_bias": {str(t): NEVER_BIAS for t in self.codec.never_emitted},
                 "logprobs": 1,
                 "return_token_ids": True,
                 "return_tokens_as_token_ids": True,

@@ -47,6 +47,7 @@ from echorl.config import SamplingConfig
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Completion, LoraSpec
 from echorl.rollout.backend import (
+    NEVER_BIAS,
     Adapters,
     EngineRefused,
     completion,
@@ -136,6 +137,7 @@ class VLLMBackend:
 
         eos = self.codec.eos_id
         greedy = params.temperature == 0.0
+        never = {t: NEVER_BIAS for t in self.codec.never_emitted} or None
         requests = [
             SamplingParams(
                 n=1,
@@ -146,6 +148,7 @@ class VLLMBackend:
                 seed=context_seed(seed, k),
                 stop_token_ids=[eos, *stop_ids],
                 ignore_eos=True,  # the model config's eos: the run's eos stops it instead
+                logit_bias=never,  # special tokens the decode drops: never emitted
                 logprobs=0,  # the sampled token's own
                 detokenize=False,
             )

@@ -47,7 +47,7 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.integration
 
 CODEC = RunTokenizer.builtin()
-EOS = 1
+PAD, EOS = 0, 1
 
 
 def right_answer(job) -> str:
@@ -71,7 +71,8 @@ def test_a_stop_token_before_the_end_of_a_completion_is_refused(broker):
     """Generation ends at its first eos, so no honest sampler sends a completion with one
     before its end: `[eos] + answer + [eos]` was scored 1 (the decode drops the eos) while
     the loss trained the eos first, and `answer + eos + "9" + eos` charged a right answer 0.
-    Both refused (422, alone or in a batch), nothing stored, the job still the sampler's."""
+    Both refused (422, alone or in a batch), nothing stored, the job still the sampler's; so
+    is a pad anywhere in it (a special token the decode drops, which no backend emits)."""
     url, data = broker
     publish(url, 0, b"w")
     sid = register(url, "eos-launderer")
@@ -88,6 +89,11 @@ def test_a_stop_token_before_the_end_of_a_completion_is_refused(broker):
         }
         why = push_both_ways(url, sid, body)
         assert f"completions[1]: stop token {EOS} at position {early} of {len(ids)}" in why, why
+    for ids, at in [([PAD, *answer, EOS], 0), ([*answer, PAD, EOS], len(answer))]:
+        c = {"token_ids": ids, "logprobs": [-0.01] * len(ids), "finished": True}
+        body = group(job) | {"completions": [group(job)["completions"][0], c]}
+        why = push_both_ways(url, sid, body)
+        assert f"completions[1]: token {PAD} at position {at} of {len(ids)} is a special" in why
     assert query(data, "SELECT COUNT(*) FROM rollouts") == [(0,)]
     assert query(data, "SELECT state FROM jobs WHERE job_id = ?", job["job_id"]) == [("leased",)]
     honest = group(job, ids=[*answer, EOS], rewards=(1.0, 1.0))
@@ -99,7 +105,8 @@ def test_a_stop_token_before_the_end_of_a_completion_is_refused(broker):
 
 def test_a_stop_token_before_the_end_of_a_model_turn_is_refused(tmp_path):
     """Multi-turn: a model turn ends at eos or at its action's newline, so neither comes
-    before a turn's end (a Sokoban first turn starting with eos was accepted and rewarded)."""
+    before a turn's end (a Sokoban first turn starting with eos was accepted and rewarded),
+    and a pad comes nowhere in a model turn."""
     data = tmp_path / "b"
     proc, url = start_broker(data, free_port(), "-o", "task.name=sokoban")
     try:
@@ -108,7 +115,9 @@ def test_a_stop_token_before_the_end_of_a_model_turn_is_refused(tmp_path):
         (job,) = lease(url, sid).json()["jobs"]
         newline = CODEC.encode("\n")[-1]
         move = CODEC.encode("right\n")
-        for ids, early in [([EOS, *move], (0, EOS)), ([*move, *move], (len(move) - 1, newline))]:
+        cases = [([EOS, *move], (0, EOS)), ([*move, *move], (len(move) - 1, newline))]
+        cases += [([*move[:2], PAD, *move[2:]], (2, PAD))]  # a special token: never emitted
+        for ids, early in cases:
             c = {
                 "token_ids": ids,
                 "logprobs": [-0.1] * len(ids),
@@ -118,7 +127,8 @@ def test_a_stop_token_before_the_end_of_a_model_turn_is_refused(tmp_path):
             body = group(job) | {"completions": [c, c], "rewards": [1.0, 1.0]}
             why = push_both_ways(url, sid, body)
             position, token = early
-            assert f"turn 0: stop token {token} at position {position} of {len(ids)}" in why, why
+            rule = "stop token" if token != PAD else "token"
+            assert f"turn 0: {rule} {token} at position {position} of {len(ids)}" in why, why
         assert query(data, "SELECT COUNT(*) FROM rollouts") == [(0,)]
     finally:
         stop_broker(proc)

@@ -114,9 +114,10 @@ def test_proximal_policy_or_behaviour_as_the_old_policy(tiny):
     """Decoupled PPO (proximal) vs clipping to the sampler's log-probs, on a sampler whose
     log-probs are 0.5 nats below the trainer's on every token."""
     from echorl.config import RunConfig
+    from echorl.models.loading import suppress
     from echorl.trainer.update import build_optimizer, build_scheduler, train_on_batch
 
-    model, _ = tiny
+    model, tok = tiny
     groups = sample(tiny, SamplingConfig(temperature=1.0))
     batch, logp = trainer_logprobs(tiny, groups)
     batch.behaviour_logp = (logp - 0.5) * batch.loss_mask
@@ -124,7 +125,7 @@ def test_proximal_policy_or_behaviour_as_the_old_policy(tiny):
     metrics = {}
     for proximal in (True, False):
         cfg = RunConfig.model_validate({"loss": {"proximal": proximal, "is_cap": 2.0}})
-        m = model.__class__(model.config)
+        m = suppress(model.__class__(model.config), tok)  # as every role's model is
         m.load_state_dict(model.state_dict())
         opt = build_optimizer(m, cfg.optim)
         metrics[proximal] = train_on_batch(m, opt, build_scheduler(opt, cfg.optim), batch, cfg)
@@ -137,3 +138,31 @@ def test_proximal_policy_or_behaviour_as_the_old_policy(tiny):
     assert abs(off["loss/is_weight_mean"] - 1.0) < 1e-6
     assert abs(off["loss/clip_frac"] - 0.5) < 0.1
     assert "rollout/kl_behaviour_old" not in off
+
+
+def test_a_special_token_other_than_eos_is_never_emitted_and_never_counted(tiny):
+    """The decode drops special tokens, so a completion holding a pad would be scored on
+    other text than the loss trains on (and the broker refuses it). The model's output
+    layer suppresses them (`models.loading.suppress`): with pad's logit raised by 50, an
+    unsuppressed model emits almost nothing but pad; this one never does, and the trainer's
+    log-probs, of the same suppressed distribution, equal the sampler's."""
+    model, tok = tiny
+    assert model._echorl_suppressed == [tok.pad_token_id] != [tok.eos_token_id]
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    head.bias.data[tok.pad_token_id] = 50.0
+    groups = sample(tiny, SamplingConfig(temperature=1.0))
+    ids = [t for g in groups for c in g for t in c.token_ids]
+    assert len(ids) > 100 and tok.pad_token_id not in ids
+    batch, logp = trainer_logprobs(tiny, groups)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
+    hooks = dict(head._forward_hooks)
+    head._forward_hooks.clear()  # unsuppressed: the pad it was kept from
+    try:
+        loud = [
+            t for g in sample(tiny, SamplingConfig(temperature=1.0)) for c in g for t in c.token_ids
+        ]
+    finally:
+        head._forward_hooks.update(hooks)
+    assert loud.count(tok.pad_token_id) > 0.9 * len(loud)
