@@ -1,7 +1,7 @@
 """Benchmark: what each attack on trust (issue 32) costs a run now, against real broker
 processes over real HTTP, beside what it cost before standing (the issue's measurements).
 
-    python bench/trust.py [--only launder hoard turns peers claims]
+    python bench/trust.py [--only launder hoard turns peers cut claims]
 
 Rows:
 - launder: completions no generation emits (`[eos] + answer + [eos]`, an eos inside)
@@ -15,6 +15,9 @@ Rows:
 - peers: two sybils each report an honest peer failed once: the share of the next 11
   versions it is named in; sybils' download reports of 86,400 s and 1e-6 s: the `min_rate`
   peers are named with (bounded by MIN_RATE_RANGE, from proven samplers' lines only).
+- cut: a hostile peer high in the tree sends half a version and cuts: the worst fetch of the
+  honest samplers below it (from the cut), against a fresh sampler's fetch of the version,
+  and whether the honest relay is named at the next version.
 - claims: a sampler telling the broker its speed (1e9 tokens/s): refused, as the wire has no
   such field; speeds are what the broker measures.
 
@@ -40,9 +43,10 @@ sys.path.insert(0, str(ROOT))
 from echorl.broker.fanout import MIN_RATE_RANGE  # noqa: E402
 from tests.integration import conftest as io  # noqa: E402
 from tests.integration.test_hostile import CODEC, EOS, hoard_run, right_answer  # noqa: E402
+from tests.integration.test_peers import cut_high, peer_swarm  # noqa: E402
 from tests.integration.test_trust import proven_group_delay, pull_until  # noqa: E402
 
-ATTACKS = ("launder", "hoard", "turns", "peers", "claims")
+ATTACKS = ("launder", "hoard", "turns", "peers", "cut", "claims")
 
 
 def launder(tmp: Path) -> list[dict]:
@@ -188,6 +192,28 @@ def peers(tmp: Path) -> list[dict]:
             min_rate=[min(rates), max(rates)] if rates else None,
             range=list(MIN_RATE_RANGE),
         ),
+    ]
+
+
+def cut(tmp: Path) -> list[dict]:
+    swarm = peer_swarm(tmp, 2)
+    try:
+        got = cut_high(next(swarm))
+    finally:
+        swarm.close()
+    worst, control = max(got["recover_s"].values()), got["control_s"]
+    return [
+        row(
+            "cut",
+            "a peer high in the tree cuts halfway: the worst honest fetch below it after "
+            "the cut, against a fresh sampler's fetch",
+            "10.4-10.8 s against 0.45 s; the relays never named again that version",
+            f"{worst:.2f} s against {control:.2f} s; named at v1: {', '.join(got['named at v1'])}",
+            worst <= 2 * max(control, 0.05) and got["named at v1"][0] == "p",
+            recover_s=got["recover_s"],
+            control_s=control,
+            named=got["named at v1"],
+        )
     ]
 
 

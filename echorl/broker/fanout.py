@@ -131,7 +131,9 @@ class FanOut:
             # Samplers keep the versions they hold and fetch (peers.KEEP): older ones, from
             # the broker.
             recent = version > max(self.sources) - KEEP
-            shunned = self.shunned.get(version, set())
+            # Never a sampler below the asker: it has only what the asker passed on (a peer
+            # named again after a cut was named its own taker, which then cut it too).
+            shunned = self.shunned.get(version, set()) | self._below(version, asker)
             usable = [
                 s
                 for s, (takers, _) in sources.items()
@@ -155,33 +157,49 @@ class FanOut:
                 sources[asker] = [0, sources[chosen][1] + 1]
             return self._name(chosen, sha256)
 
+    def _below(self, version: int, peer: str) -> set[str]:
+        """The samplers that fetch `version` from `peer`, from them, and so on."""
+        takers: dict[str, list[str]] = {}
+        for (v, taker), source in self.named_to.items():
+            if v == version:
+                takers.setdefault(source, []).append(taker)
+        below, todo = set(), [peer]
+        while todo:
+            for taker in takers.get(todo.pop(), []):
+                if taker not in below:
+                    below.add(taker)
+                    todo.append(taker)
+        return below
+
     def _failed(self, version: int, source: str, asker: str) -> None:
         """`asker` reports that `source`, named to it for `version`, failed it."""
-        upstream = self.cut.get((version, source))
-        if upstream is not None:  # the source's own source failed it: charged above
-            self._charge(version, upstream, asker)
-        else:
-            self._charge(version, source, asker)
-            self.blamed.setdefault((version, source), set()).add(asker)
+        self._blame(version, source, asker)
         if asker in self.peers and self.trusted(asker) and (version, asker) not in self.cut:
             # The asker's takers, cut as it starts again, are its source's failures: those
             # that reported it before this report came are taken back (once a version, and
             # only a trusted asker's word: a sybil could excuse itself every time).
             self.cut[(version, asker)] = source
+            self.shunned.get(version, set()).discard(asker)
             for taker in self.blamed.pop((version, asker), set()):
                 held = self.reporters.get(asker, set())
                 held.discard(taker)
                 if not held:
                     self.reporters.pop(asker, None)
-                self._charge(version, source, taker)
-            self.shunned.get(version, set()).discard(asker)
+                self._blame(version, source, taker)
 
-    def _charge(self, version: int, source: str, asker: str) -> None:
-        """`source` failed `asker` at `version`: not named for it again; with REPORTERS_TO_DROP
-        trusted askers' word (two sybils' once did it), never again."""
+    def _blame(self, version: int, source: str, taker: str) -> None:
+        """`source` failed `taker` at `version`: charged to where the failure began (the
+        source itself, or the source up its chain of relays whose own source failed it), which
+        is not named for the version again, and with REPORTERS_TO_DROP trusted takers' word
+        (two sybils' once did it), never again."""
+        seen = {source}
+        while (up := self.cut.get((version, source))) is not None and up not in seen:
+            source = up
+            seen.add(source)
         self.shunned.setdefault(version, set()).add(source)  # anyone's word: a version
-        if self.trusted(asker) and source != BROKER:
-            self.reporters.setdefault(source, set()).add(asker)
+        self.blamed.setdefault((version, source), set()).add(taker)
+        if self.trusted(taker) and source != BROKER:
+            self.reporters.setdefault(source, set()).add(taker)
 
     def _took(self, asker: str, took: Took) -> None:
         """`asker`'s report on the last version it fetched, to the judge of speeds."""

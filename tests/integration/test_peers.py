@@ -3,6 +3,8 @@ peer servers and the HF backend: a version travels down the tree the broker name
 caller with the broker's ticket is served, and a peer that sends wrong bytes is refused (the
 sha256) and reported, and the sampler gets the version from the broker instead."""
 
+import threading
+import time
 from contextlib import ExitStack
 
 import httpx
@@ -22,8 +24,10 @@ from tests.integration.conftest import (
     SAMPLER,
     TRAINER,
     free_port,
+    publish,
     start_broker,
     stop_broker,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -33,7 +37,11 @@ pytestmark = pytest.mark.integration
 def swarm(tmp_path):
     """A broker with peer_fanout 1 holding v0 (other weights than a fresh tiny model's), and a
     way to add samplers to it."""
-    proc, url = start_broker(tmp_path / "b", free_port(), "-o", "broker.peer_fanout=1")
+    yield from peer_swarm(tmp_path, 1)
+
+
+def peer_swarm(tmp_path, fanout):
+    proc, url = start_broker(tmp_path / "b", free_port(), "-o", f"broker.peer_fanout={fanout}")
     model, _ = build_tiny_model("1m", seed=1)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, tmp_path / "v0.safetensors")
@@ -52,8 +60,15 @@ def swarm(tmp_path):
             cache = tmp_path / name
             return WeightFollower(client, backend, cache, name, server and server.shelf), server
 
+        sampler.url = url  # the broker's
         yield info, state, sampler
     stop_broker(proc)
+
+
+@pytest.fixture
+def swarm2(tmp_path):
+    """The same at peer_fanout 2."""
+    yield from peer_swarm(tmp_path, 2)
 
 
 def holds(follower, state):
@@ -97,6 +112,74 @@ def test_a_version_goes_down_the_tree_and_a_corrupt_peer_is_refused(swarm, caplo
     d, _ = sampler("d", serve=False)  # the liar is not named again for v0
     source = d.client.source(0)
     assert source.url != liar_server.url("127.0.0.1")
+
+
+def test_a_cut_high_in_the_tree_is_charged_to_the_cutting_peer_not_the_relays_below(swarm2):
+    """Fan-out 2: the broker serves h (hostile) and x; h serves p (honest) and y; p serves t1
+    and t2. h sends half of v0 and cuts: p starts again from the broker, which cuts t1 and
+    t2, who report p. Before, two trusted reports dropped p for good, and p was named its own
+    taker t1 (which had only what p passed on: a second failure each); now the failure is
+    h's: every sampler holds v0 after one peer failure, p is named again at v1, h never."""
+    got = cut_high(swarm2)
+    assert [f.peer_failures for f in got["below"]] == [1, 1, 1]
+    assert got["named at v1"] == ["p", "p", "broker"]  # h had room, but is never named again
+
+
+def cut_high(swarm) -> dict:
+    """The cut above, run; returns the samplers below h (`below`: p, t1, t2, all holding v0),
+    who was named at v1 to three new samplers once h, x and p had asked, and each one's
+    seconds from the cut to holding v0 (`recover_s`) beside a fresh sampler's fetch of v0
+    (`control_s`) (also bench/trust.py's)."""
+    info, state, sampler = swarm
+    h, h_server = sampler("h")
+    h.client.source(0)  # the broker's first
+    cut = Partial(info.sha256, info.size_bytes)
+    cut.write(h.client.fetch(info)[: info.size_bytes // 2])  # the right first half, then none
+    h_server.shelf.put(cut)
+    x, _ = sampler("x", serve=False)
+    x.client.source(0)  # the broker's second: the broker is full
+    p, p_server = sampler("p")
+    y, _ = sampler("y", serve=False)
+    (t1, t1_server), (t2, t2_server) = sampler("t1"), sampler("t2")
+    threads, done = [], {}
+
+    def fetch(follower):
+        def run():
+            follower.ensure(0)
+            done[follower.name] = time.perf_counter()
+
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+
+    def has_half(server):
+        part = server.shelf.get(info.sha256)
+        return part is not None and part.have >= info.size_bytes // 2
+
+    fetch(p)  # named h: reads the half, waits for more
+    wait_until(lambda: has_half(p_server), 30, "p reading from h")
+    y.client.source(0)  # h's second: h is full
+    for t in (t1, t2):  # named p, each reading its half
+        fetch(t)
+    wait_until(lambda: has_half(t1_server) and has_half(t2_server), 30, "t1, t2 reading from p")
+    t_cut = time.perf_counter()
+    cut.fail()  # h cuts p; p starts again; t1 and t2 are cut
+    for t in threads:
+        t.join(60)
+    below = [p, t1, t2]
+    assert all(holds(f, state) for f in below)
+    control, _ = sampler("control", serve=False)
+    control_s = control.ensure(0)
+    publish(sampler.url, 1, b"v1")
+    for first in (h, x, p):  # the broker's two, then p
+        first.client.source(1)
+    names = {p_server.url("127.0.0.1"): "p", h_server.url("127.0.0.1"): "h", None: "broker"}
+    named = [names[sampler(name, serve=False)[0].client.source(1).url] for name in "zwv"]
+    return {
+        "below": below,
+        "named at v1": named,
+        "recover_s": {f.name: done[f.name] - t_cut for f in below},
+        "control_s": control_s,
+    }
 
 
 def test_a_small_step_in_bf16_arrives_as_a_delta_and_a_bad_one_is_fetched_whole(tmp_path):

@@ -273,3 +273,18 @@ def test_an_untrusted_relay_cannot_pass_its_failures_upstream():
     fan.source(0, SHA, "a", "http://sybil.peer:9000")
     fan.source(0, SHA, "sybil", "http://p.peer:9000")
     assert fan.reporters == {"sybil": {"a"}} and "sybil" in fan.shunned[0]
+
+
+def test_a_failure_passed_down_a_chain_of_relays_is_charged_to_where_it_began():
+    """broker -> h -> p -> a -> b at fan-out 1: h cuts p, p's restart cuts a, a's cuts b.
+    Every report lands on h, none on the honest relays p and a."""
+    fan = FanOut(1, trusted=lambda s: s != "h")
+    for sid in ("h", "p", "a", "b"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    chain = ["h", "p", "a", "b"]
+    for asker in chain:
+        fan.source(0, SHA, asker, None)
+    for source, asker in reversed(list(zip(chain, chain[1:]))):  # the takers' reports first
+        fan.source(0, SHA, asker, f"http://{source}.peer:9000")
+    assert fan.reporters == {"h": {"p", "a", "b"}}
+    assert fan.shunned[0] == {"h"}
