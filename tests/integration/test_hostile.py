@@ -463,9 +463,10 @@ def healthz_probe(url):
 
 def test_big_pushes_are_parsed_off_the_loop_and_held_within_a_bound(tmp_path):
     """24 concurrent pushes of 16 MB from 4 samplers (before, 12 from one: /healthz 8.9 s,
-    RSS +293 MB): /healthz p99 stays under 100 ms, the bodies in flight stay within
-    `push_bytes_in_flight` (the rest are refused, 429, unread) and RSS grows by a bounded
-    multiple of it."""
+    RSS +293 MB): /healthz p99 stays under 500 ms (measured 36-106 ms on 2 busy cores; the
+    bound is for the 8.9 s of parsing on the loop, not the machine's load), the bodies in
+    flight stay within `push_bytes_in_flight` (the rest are refused, 429, unread) and RSS
+    grows by a bounded multiple of it."""
     mb = 1 << 20
     proc, url = start_broker(
         tmp_path / "b",
@@ -521,7 +522,7 @@ def test_big_pushes_are_parsed_off_the_loop_and_held_within_a_bound(tmp_path):
         f"{len(latencies)}; RSS +{grew:.0f} MB; answers {sorted(codes)}"
     )
     assert 429 in codes and any(code != 429 for code in codes)
-    assert p99 < 0.1
+    assert p99 < 0.5
     assert grew < 4 * 68  # a bounded multiple of the 68 MB in flight (parsing expands it)
 
 
