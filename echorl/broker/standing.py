@@ -79,9 +79,11 @@ class Standing:
             return "proven"
         if self.trust_all:
             return "trusted (no probation)"
+        who = self.operators.get(sampler_id)  # '' for the shared enrolment token
+        newcomer = f"newcomer of operator {who}" if who else "newcomer"
         if self.proven_tokens:
-            return f"newcomer: {audited:.0f} of {self.proven_tokens} tokens audited"
-        return "newcomer: no group delivered"
+            return f"{newcomer}: {audited:.0f} of {self.proven_tokens} tokens audited"
+        return f"{newcomer}: no group delivered"
 
     def turn(self, sampler_id: str) -> tuple[int, str, str]:
         """The verifier-queue key of a group `sampler_id` pushed: (tier, group, who), served

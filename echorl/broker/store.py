@@ -156,7 +156,7 @@ class Probation:
         return is_proven(self.proven_tokens, delivered, audited_tokens)
 
 
-SPEED_GROUPS = 16  # a sampler's speed is measured over its last this many groups
+SPEED_GROUPS = 64  # a sampler's speed is measured over its last this many groups (a few leases)
 
 
 def delivered_speed(spans: list[tuple[float, float, int]]) -> float | None:

@@ -41,7 +41,16 @@ def swarm(tmp_path):
 
 
 def peer_swarm(tmp_path, fanout):
+    """(info of v0, its state dict, a function adding a sampler), until the generator ends
+    (or is closed: the broker stops either way)."""
     proc, url = start_broker(tmp_path / "b", free_port(), "-o", f"broker.peer_fanout={fanout}")
+    try:
+        yield from _peer_swarm(tmp_path, url)
+    finally:
+        stop_broker(proc)
+
+
+def _peer_swarm(tmp_path, url):
     model, _ = build_tiny_model("1m", seed=1)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, tmp_path / "v0.safetensors")
@@ -62,7 +71,6 @@ def peer_swarm(tmp_path, fanout):
 
         sampler.url = url  # the broker's
         yield info, state, sampler
-    stop_broker(proc)
 
 
 @pytest.fixture

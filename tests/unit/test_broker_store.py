@@ -792,3 +792,13 @@ def test_an_operators_audit_adds_up_across_its_identities(s):
     with pytest.raises(Forbidden, match="operator mallory is quarantined"):
         s.register(info, 2.0, operator="mallory")
     assert dict(s.sampler_counts()) == {"quarantined": 2, "alive": 1}
+
+
+def test_the_status_names_a_held_back_samplers_operator_and_what_it_lacks():
+    from echorl.broker.standing import Standing
+
+    standing = Standing(proven_tokens=128)
+    standing.observe([("m1", "mallory", 1, 16.0), ("s1", "", 0, 0.0), ("a1", "alice", 9, 200.0)])
+    assert standing.describe("m1", 16.0) == "newcomer of operator mallory: 16 of 128 tokens audited"
+    assert standing.describe("s1", 0.0) == "newcomer: 0 of 128 tokens audited"  # shared token
+    assert standing.describe("a1", 200.0) == "proven" and standing.trusted("a1")
