@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from echorl.config import ConfigError, RunConfig, load_config
+from echorl.config import ConfigError, RunConfig, load_config, resume_config
 from echorl.protocol import printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -59,6 +59,10 @@ def _model_path(cfg: RunConfig) -> str:
     if cfg.model.path is None:
         console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
         raise typer.Exit(2)
+    inside = Path(cfg.model.path) / "policy"  # a run's folder, or one of its checkpoints
+    if not (Path(cfg.model.path) / "config.json").is_file() and (inside / "config.json").is_file():
+        console.print(f"model: {escape(str(inside))}")
+        cfg.model.path = str(inside)
     if not (Path(cfg.model.path) / "config.json").is_file():  # told before torch loads
         console.print(
             f"[red]model.path:[/red] {escape(cfg.model.path)} is not a model folder (no "
@@ -582,9 +586,12 @@ def trainer(
         )
         raise typer.Exit(1) from None
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 alone wrote them
+        from echorl.launch.local import model_out
+
         console.print(
             f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
         )
+        console.print(Text(model_out(folder)))
 
 
 def _cpu_set(text: str | None) -> set[int] | None:
@@ -621,8 +628,24 @@ def run(
     if config and config_option:
         console.print("[red]-c:[/red] give the config once, as CONFIG or as -c FILE")
         raise typer.Exit(2)
-    cfg = _config(config or config_option, override, **{"train.out_dir": out})
+    cfg = _swarm_config(config or config_option, out, override, resume)
     raise typer.Exit(_run_swarm(cfg, resume))
+
+
+def _swarm_config(path: Path | None, out: str | None, override: list[str], resume: bool):
+    """The run's config; resumed, the one its folder's `config.yaml` holds, with the file and
+    flags given over it (refused, before anything is written, where they change what the run
+    is: `config.resume_config`)."""
+    cfg = _config(path, override, **{"train.out_dir": out})
+    saved = Path(cfg.train.out_dir) / "config.yaml"
+    if not resume or not saved.is_file():
+        return cfg
+    extra = [f"train.out_dir={out}"] if out else []
+    try:
+        return resume_config(saved, path, [*extra, *(override or [])])
+    except ConfigError as e:
+        console.print(f"[red]config error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
 
 
 launch_app = typer.Typer(no_args_is_help=True, help="The swarm on a cluster manager (Ray).")
@@ -645,7 +668,7 @@ def launch_ray_cmd(
     if config and config_option:
         console.print("[red]-c:[/red] give the config once, as CONFIG or as -c FILE")
         raise typer.Exit(2)
-    cfg = _config(config or config_option, override, **{"train.out_dir": out})
+    cfg = _swarm_config(config or config_option, out, override, resume)
     raise typer.Exit(_run_swarm(cfg, resume, ray_address=address or "", on_ray=True))
 
 
@@ -672,7 +695,7 @@ def launch_scale(
 def _run_swarm(
     cfg: RunConfig, resume: bool = False, ray_address: str = "", on_ray: bool = False
 ) -> int:
-    from echorl.launch.local import launch, summarise
+    from echorl.launch.local import launch, model_out, summarise
 
     if on_ray:
         try:
@@ -709,6 +732,7 @@ def _run_swarm(
     if (folder / "metrics.jsonl").is_file():
         summarise(folder, console)
     console.print(f"logs: {folder / 'logs'}   metrics: {folder / 'metrics.jsonl'}")
+    console.print(Text(model_out(folder)))
     return code
 
 

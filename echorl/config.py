@@ -716,3 +716,61 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+
+
+# What a run is: a resumed run may train longer, on more samplers, logging elsewhere, but
+# with another of these it would be another run on this one's broker and checkpoints.
+RUN_IDENTITY = (
+    "model.path",
+    "model.preset",
+    "model.lora",
+    "task",
+    "broker.mode",
+    "train.batch_prompts",
+    "train.group_size",
+)
+
+
+def resume_config(
+    saved: Path, path: str | Path | None, overrides: list[str] | None = None
+) -> RunConfig:
+    """The config of a run resumed from `saved` (its `config.yaml`): that run's, with what
+    the config file `path` sets and the `overrides` over it. Changing what the run is
+    (RUN_IDENTITY) is a ConfigError that names each difference; nothing else has happened."""
+    data = _read_file(saved)
+    run = RunConfig.model_validate(data)
+    if path:
+        _merge(data, _read_file(Path(path)))
+    for override in overrides or []:
+        apply_override(data, override)
+    try:
+        asked = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    was, now = run.model_dump(mode="json"), asked.model_dump(mode="json")
+    changed = [
+        f"{key}: {_at(was, key)!r} in {saved}, {_at(now, key)!r} asked"
+        for key in RUN_IDENTITY
+        if _at(was, key) != _at(now, key)
+    ]
+    if changed:
+        raise ConfigError(
+            "--resume continues the run as it was; these would make it another run: "
+            + "; ".join(changed)
+            + " (drop them, or start a new run with another --out)"
+        )
+    return asked
+
+
+def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _at(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data

@@ -56,7 +56,7 @@ from echorl.config import RunConfig
 from echorl.metrics import MetricsTail, plot_run, read_metrics
 from echorl.progress import LineSteps, draws_live
 from echorl.protocol import Capacity
-from echorl.trainer.flat import FlatStreak, is_flat
+from echorl.trainer.flat import FlatStreak, Run, is_flat
 
 
 @dataclass
@@ -499,7 +499,7 @@ class LiveView:
         self.alive, self.version, self.speed = [], "?", 0.0
         self.asked = float("-inf")
         self.progressed = time.monotonic()  # the last trainer record or published version
-        self.flat = FlatStreak()  # warns only: giving up is the trainer's to decide
+        self.flat = FlatStreak(run=Run.of(cfg))  # warns only: giving up is the trainer's to decide
         self.warnings: list[str] = []  # not yet printed
         self.gave_up: str | None = None  # the trainer's reason, from its last record
         self.verifier_failed = 0  # completions the task's verifier failed on (scored 0)
@@ -514,7 +514,8 @@ class LiveView:
         if records:
             self.progressed = time.monotonic()
         if self.tail.restarted:
-            self.last, self.recent, self.flat = {}, deque(maxlen=10), FlatStreak()
+            self.last, self.recent = {}, deque(maxlen=10)
+            self.flat = FlatStreak(run=Run.of(self.cfg))
         for r in records:
             self.take(r)
         if time.monotonic() - self.asked < self.STATUS_EVERY_S:
@@ -619,6 +620,32 @@ def stall_report(swarm: Swarm, view: LiveView, stalled: float) -> str:
     return "\n".join(lines)
 
 
+def model_out(out: Path) -> str:
+    """Where a run's trained policy is, and how to load it (printed at every run's end)."""
+    policy = out / "policy"
+    if not (policy / "config.json").is_file():
+        return f"no trained policy in {policy} yet (checkpoints: {out / 'checkpoints'})"
+    return (
+        f"the trained policy: {policy} (a Hugging Face folder; a LoRA run's adapters are "
+        "merged in, and kept alone in policy/adapter):\n"
+        "  from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast\n"
+        f'  model = AutoModelForCausalLM.from_pretrained("{policy}")\n'
+        f'  tokenizer = PreTrainedTokenizerFast.from_pretrained("{policy}")'
+    )
+
+
+def run_wall_s(train: list[dict]) -> float:
+    """The trainer's seconds over the whole run: each session's (`trainer/wall_s` counts from
+    its process's start, so a resumed run's restarts from 0; a session's last record kept is
+    its checkpoint's step, what it logged after that having been dropped on resume)."""
+    total, last = 0.0, 0.0
+    for r in train:
+        if r["trainer/wall_s"] < last:  # a new session
+            total += last
+        last = r["trainer/wall_s"]
+    return total + last
+
+
 def summarise(out: Path, console: Console) -> dict:
     """The end-of-run table; also (re)draws the plots."""
     records = read_metrics(out / "metrics.jsonl")
@@ -629,7 +656,7 @@ def summarise(out: Path, console: Console) -> dict:
     summary: dict = {"steps": len(train), "flat_steps": sum(map(is_flat, train))}
     if train:
         k = max(1, min(10, len(train) // 2))
-        wall = train[-1]["trainer/wall_s"]
+        wall = run_wall_s(train)
         summary |= {
             "reward_first": sum(r["reward/mean"] for r in train[:k]) / k,
             "reward_last": sum(r["reward/mean"] for r in train[-k:]) / k,

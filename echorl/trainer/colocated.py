@@ -32,7 +32,7 @@ from echorl.seeding import derive_seed
 from echorl.tasks import Task, get_task, take
 from echorl.tasks.base import success
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from echorl.trainer.flat import FlatStreak
+from echorl.trainer.flat import FlatStreak, Run
 from echorl.trainer.update import build_optimizer, build_scheduler, update_policy
 
 
@@ -149,7 +149,9 @@ def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult
         before = held_out(backend, task, cfg, scorer)
         log.write({"step": 0, **before.record()})
         console.print(f"held-out greedy accuracy before RL: {before.accuracy:.3f} (n={before.n})")
-    flat = FlatStreak(cfg.launch.stall_timeout_s)  # raises NothingLearned: see its docstring
+    flat = FlatStreak(
+        cfg.launch.stall_timeout_s, run=Run.of(cfg)
+    )  # raises NothingLearned: see its docstring
     with steps(console, f"RL {task.name}", cfg.train.steps, start) as bar:
         for step in range(start, cfg.train.steps):
             record = rl_step(backend, task, cfg, step, opt, sched, ref_model, scorer)

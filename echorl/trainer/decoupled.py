@@ -52,7 +52,7 @@ from echorl.trainer.brokerio import BrokerIO
 from echorl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from echorl.trainer.colocated import held_out, reference, reward_metrics
 from echorl.trainer.distributed import SOLO, World, full_state, join_world, local_device, wrap
-from echorl.trainer.flat import FlatStreak, NothingLearned
+from echorl.trainer.flat import FlatStreak, NothingLearned, Run
 from echorl.trainer.update import (
     build_optimizer,
     build_scheduler,
@@ -117,7 +117,9 @@ class DecoupledTrainer:
         self.eval_model: PreTrainedModel | None = None
         self.prefetched = False  # async: the helper is already pulling this step's groups
         self.lonely_since: float | None = None  # since when no sampler is alive (waiting)
-        self.flat = FlatStreak(cfg.launch.stall_timeout_s)  # steps with no advantage anywhere
+        self.flat = FlatStreak(
+            cfg.launch.stall_timeout_s, run=Run.of(cfg)
+        )  # steps with no advantage anywhere
         if world.leader:  # pulls, acks, audits and uploads: in a process of their own
             self.io = BrokerIO(client, io_cpus, spill=self.out)
 

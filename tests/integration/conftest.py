@@ -187,11 +187,11 @@ def query(data_dir, sql, *params):
         db.close()
 
 
-def echorl_run(out, *overrides, config=None, timeout=900):
-    """`echorl run [CONFIG] --out OUT` on any free port, `-o` each override; asserts exit 0
-    (showing every process log when not) and returns what it printed."""
+def echorl_run(out, *overrides, config=None, timeout=900, resume=False):
+    """`echorl run [CONFIG] --out OUT [--resume]` on any free port, `-o` each override;
+    asserts exit 0 (showing every process log when not) and returns what it printed."""
     args = [sys.executable, "-m", "echorl.cli", "run", *([str(config)] if config else [])]
-    args += ["--out", str(out)]
+    args += ["--out", str(out), *(["--resume"] if resume else [])]
     # Without probation: these runs' fixed-seed realizations (and the learning margins measured
     # on them) stay what they were; probation's growing first leases would leave each lease's
     # composition, and so its seed, to timing (test_hostile.py and the demo run with it).

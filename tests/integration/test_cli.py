@@ -74,6 +74,11 @@ def test_colocated_train_writes_metrics_checkpoints_and_plot_then_resumes(warm, 
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3, 4, 5]
     assert all(r["reward/mean"] >= 0 for r in records if "reward/mean" in r)
     assert (out / "checkpoints" / "LATEST").read_text() == "step_0000005"
+    # A run's folder or a checkpoint is a model folder: its policy inside (was: "not a model
+    # folder", with no hint of policy/).
+    for given in (out, out / "checkpoints" / "step_0000005"):
+        shown = echorl("eval", "--model", str(given), "--n", "4").stdout
+        assert f"model: {given / 'policy'}" in shown and "held-out greedy accuracy" in shown
 
 
 def test_bad_config_field_is_named_and_nothing_runs(warm, tmp_path):

@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 
 import pytest
+import yaml
 
 from tests.integration.conftest import SAMPLED, echorl_run, pass1, query, read_jsonl
 
@@ -175,3 +176,36 @@ def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, warm_add):
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     consumed = query(out / "broker", "SELECT consumed_step FROM rollouts WHERE state = 'consumed'")
     assert Counter(s for (s,) in consumed) == {s: 4 for s in range(steps)}
+
+
+@pytest.mark.long  # two short runs and a refusal (~60 s)
+def test_a_run_resumed_without_its_flags_is_the_same_run(tmp_path, warm_add):
+    """`echorl run --out DIR --resume` without the first run's `-o` flags warmed up a fresh
+    model on `add`, overwrote DIR/config.yaml with the defaults and was then refused by its
+    own broker. Now the run's config.yaml is its config: the run continues as it was (here
+    async, 4 prompts a step) to the longer `train.steps` asked; a flag that would make it
+    another run is refused, naming it, before anything is written or started."""
+    out = tmp_path / "run"
+    first = ["broker.mode=async", "train.batch_prompts=4", "train.steps=4"]
+    first += [f"model.path={warm_add}", "train.eval_prompts=8", "train.eval_every=0"]
+    echorl_run(out, *first)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    echorl_run(out, "train.steps=8", resume=True)
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert not (out / "sft").exists()  # no warm-up: the run's model
+    config["train"]["steps"] = 8  # what the resume asked; the rest as it was
+    assert yaml.safe_load((out / "config.yaml").read_text()) == config
+    consumed = query(out / "broker", "SELECT consumed_step FROM rollouts WHERE state = 'consumed'")
+    assert Counter(s for (s,) in consumed) == {s: 4 for s in range(8)}  # none twice
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "run", "--out", str(out), "--resume"]
+        + ["-o", "broker.mode=sync", "-o", "train.steps=12"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "broker.mode: 'async'" in refused.stdout and "another --out" in refused.stdout
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written

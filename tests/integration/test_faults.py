@@ -252,8 +252,8 @@ def test_a_run_where_every_group_is_flat_warns_then_stops_naming_echorl_sft(tmp_
     stopped = said.find("the trainer stops: every group of the last ")
     assert 0 <= warned < stopped, said
     assert (
-        "(all rewards 0.0): nothing is learned; warm the model up first: echorl sft"
-        in said[stopped:]
+        "(all rewards 0.0): nothing is learned; the model never scores on add: warm it up on "
+        "it first (echorl sft --task add --model" in said[stopped:]
     ), said
     records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if "reward/mean" in r]

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -247,11 +248,26 @@ def test_a_sybil_hoarder_cannot_stall_the_trainer(tmp_path, mode, first):
     assert got["attacked"] >= 0.8 * got["honest"]
 
 
-def hoard_run(tmp_path, mode, junk_first) -> dict:
+@pytest.mark.long  # ~40 s
+def test_a_proven_sampler_with_one_lapse_keeps_its_rate_beside_sybils(tmp_path):
+    """A proven sampler whose one lease ran out (stopped with SIGSTOP past its deadline) was
+    reset to probation and then competed with sybils for the one newcomer job: 10% (sync) of
+    its rate. Now a lapse halves what its deliveries earned and bars it one lease period; it
+    stays proven: its share of the consumed groups after the bar is >= 80% of its share
+    before the attack, and the trainer keeps >= 80% of its honest rate."""
+    got = hoard_run(tmp_path, "sync", junk_first=True, lapse=True)
+    print(f"honest0 kept {got['kept']:.0%} of its share; trainer {got['attacked']:.2f} steps/s")
+    assert got["kept"] >= 0.8 and got["attacked"] >= 0.8 * got["honest"]
+
+
+def hoard_run(tmp_path, mode, junk_first, lapse=False) -> dict:
     """A run (2 honest samplers, B = 4) whose step rate is timed over 15 steps, then over 20
     steps while fresh identities hoard (each first delivering one junk group if
     `junk_first`). Returns steps/s `honest` and `attacked`, and the attack's `identities`,
-    jobs `held` and `junk` groups delivered (also bench/trust.py's)."""
+    jobs `held` and `junk` groups delivered (also bench/trust.py's). With `lapse`, honest0
+    (proven by then) is stopped (SIGSTOP) until its lease has run out, then let go on; the
+    20 steps are timed from the end of its bar, and `kept` is its share of the consumed
+    groups then over its share before the attack."""
     model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
     run = ["-o", f"broker.mode={mode}", "-o", "train.batch_prompts=4", "-o", "train.group_size=2"]
     run += ["-o", "sampling.max_new_tokens=8", "-o", "train.drop_flat_groups=false"]
@@ -294,6 +310,11 @@ def hoard_run(tmp_path, mode, junk_first) -> dict:
         t_attack = time.monotonic()
         wait_until(lambda: len(identities) >= 20, timeout=60, what="20 sybil identities")
         time.sleep(max(0.0, t_attack + 2 * lease_s - time.monotonic()))  # hoarded leases ran out
+        if lapse:
+            os.kill(samplers[0].pid, signal.SIGSTOP)
+            time.sleep(2 * lease_s)  # its lease runs out unpushed: a lapse
+            os.kill(samplers[0].pid, signal.SIGCONT)
+            time.sleep(lease_s)  # barred one lease period
         s0 = max(times) if reached(-1) or times else 0
         wait_until(lambda: reached(s0 + 20), timeout=120, what="20 steps under attack")
     finally:
@@ -302,7 +323,20 @@ def hoard_run(tmp_path, mode, junk_first) -> dict:
             p.terminate()
             p.communicate(timeout=60)  # read: a full pipe would block its writes
         stop_broker(proc)
+
+    def share(first, last):  # honest0's share of the groups consumed at steps first..last
+        rows = query(
+            tmp_path / "b",
+            "SELECT s.name, COUNT(*) FROM rollouts r JOIN samplers s ON s.id = r.sampler_id "
+            "WHERE r.consumed_step BETWEEN ? AND ? GROUP BY s.name",
+            first,
+            last,
+        )
+        counts = dict(rows)
+        return counts.get("honest0", 0) / max(sum(counts.values()), 1)
+
     return {
+        "kept": share(s0 + 1, s0 + 20) / max(share(5, 20), 1e-9),
         "honest": 15 / (times[20] - times[5]),
         "attacked": 20 / (times[s0 + 20] - times[s0]),
         "identities": len(identities),
@@ -531,7 +565,9 @@ def test_a_heartbeat_flood_is_rate_limited_and_claims_are_checked(broker):
     before any work), /healthz and the trainer's status stay quick; a version the broker
     does not publish is not believed (a version from the future, or other weights under a
     published number, count as none: the reply names the latest to fetch; an error would
-    leave an honest sampler whose trainer forgot that version nothing to do but ask again)."""
+    leave an honest sampler whose trainer forgot that version nothing to do but ask again).
+    A sampler cannot tell its speed (1e9 tokens/s made the capacity advice keep it alone):
+    no request has the field; the broker measures what it delivers."""
     url, data = broker
     publish(url, 0, b"w")
     sid = register(url, "flood")
@@ -551,6 +587,13 @@ def test_a_heartbeat_flood_is_rate_limited_and_claims_are_checked(broker):
         f"{url}/v1/samplers/{sid}/heartbeat", json={"sha256_held": "x" * 64}, headers=as_(sid)
     )
     assert bad.status_code == 422 and "sha256_held" in bad.text
+    for route, body in (
+        (f"/v1/samplers/{sid}/heartbeat", {}),
+        ("/v1/jobs/lease", {"sampler_id": sid}),
+    ):
+        boast = httpx.post(f"{url}{route}", json=body | {"tokens_per_s": 1e9}, headers=as_(sid))
+        assert boast.status_code == 422 and "tokens_per_s" in boast.text  # no field to claim in
+    assert query(data, "SELECT tokens_per_s FROM samplers WHERE id = ?", sid) == [(None,)]
     stop, codes = threading.Event(), []
 
     def beat():

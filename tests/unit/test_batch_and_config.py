@@ -146,3 +146,38 @@ def test_an_auditor_gets_a_core_of_its_own_only_where_the_rest_keep_one():
     assert split_auditors({1}, 1) == ({1}, [{1}])  # 2 cores: the auditor shares core 1
     assert split_auditors({1, 2}, 0) == ({1, 2}, [])
     assert split_auditors(None, 2) == (None, [None, None])  # no pinning
+
+
+def test_a_resumed_run_keeps_its_config_and_refuses_to_become_another(tmp_path):
+    """`echorl run --out DIR --resume` without the first run's flags had warmed up a fresh
+    model on `add` and overwritten DIR/config.yaml. Resumed, the run's config is its
+    config.yaml, with the file and flags given over it; those that change what the run is
+    are refused, each named."""
+    import yaml
+
+    from echorl.config import resume_config
+
+    run = load_config(None, ["task.name=reverse", "broker.mode=async", "model.path=m"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(run.model_dump(mode="json")))
+    assert resume_config(saved, None) == run  # no flags: the run as it was
+    longer = resume_config(saved, None, ["train.steps=500", "launch.samplers=4"])
+    assert (longer.train.steps, longer.launch.samplers, longer.task.name) == (
+        500,
+        4,
+        "reverse",
+    )
+    toml = tmp_path / "more.toml"
+    toml.write_text('[train]\nsteps = 900\n[model]\npreset = "1m"\n')  # sets only what it says
+    assert resume_config(saved, toml).train.steps == 900
+    with pytest.raises(ConfigError) as e:
+        resume_config(saved, None, ["task.name=add", "train.group_size=4", "broker.mode=sync"])
+    for named in ("task:", "train.group_size: 8", "broker.mode: 'async'", "another --out"):
+        assert named in str(e.value), (named, str(e.value))
+
+
+def test_a_resumed_runs_wall_time_counts_every_session():
+    from echorl.launch.local import run_wall_s
+
+    walls = [1.0, 2.0, 3.0, 0.5, 1.5, 0.2]  # three sessions (the trainer's clock restarts)
+    assert run_wall_s([{"trainer/wall_s": w} for w in walls]) == pytest.approx(3.0 + 1.5 + 0.2)

@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from echorl.progress import BarSteps, LineSteps, steps
-from echorl.trainer.flat import FlatStreak, NothingLearned
+from echorl.trainer.flat import FlatStreak, NothingLearned, Run
 
 
 class Clock:
@@ -60,22 +60,48 @@ FLAT = {"rollout/groups_flat_frac": 1.0, "reward/mean": 0.0, "reward/std": 0.0}
 LEARNING = {"rollout/groups_flat_frac": 0.5, "reward/mean": 0.4, "reward/std": 0.5}
 
 
-def test_three_flat_steps_warn_once_and_a_step_with_signal_ends_the_streak():
-    streak = FlatStreak(give_up_s=60, clock=Clock())
+RUN = Run(task="countdown", model="ckpt/qwen", out="runs/c", group_size=8, temperature=0.7)
+
+
+def test_three_flat_steps_warn_with_this_runs_command_and_a_step_with_signal_ends_the_streak():
+    streak = FlatStreak(give_up_s=60, clock=Clock(), run=RUN)
     said = [streak.see(r) for r in (FLAT, FLAT, LEARNING, FLAT, FLAT, FLAT, FLAT)]
     assert said[:6] == [None] * 5 + [said[5]] and said[6] is None
     assert said[5] == (
         "every group of the last 3 steps was flat (all rewards 0.0): nothing is learned; "
-        "warm the model up first: echorl sft --out DIR --model MODEL, then train from DIR"
+        "the model never scores on countdown: warm it up on it first (echorl sft --task "
+        "countdown --model ckpt/qwen --out runs/c/warmed), then train from it "
+        "(-o model.path=runs/c/warmed)"
     )
 
 
-def test_flat_steps_for_the_stall_timeout_stop_the_run_naming_echorl_sft():
+def test_a_saturated_model_and_flat_groups_get_their_own_cures():
+    """The hint said 'warm the model up' of a model scoring 1.0 everywhere too."""
+    solved = FlatStreak(clock=Clock(), run=RUN)
+    said = [solved.see(FLAT | {"reward/mean": 1.0}) for _ in range(3)][-1]
+    assert "(all rewards 1.0)" in said and "already solves every prompt of countdown" in said
+    assert "-o train.group_size=16" in said and "echorl sft" not in said
+    mixed = FlatStreak(clock=Clock(), run=RUN)
+    said = [mixed.see(FLAT | {"reward/mean": 0.5, "reward/std": 0.5}) for _ in range(3)][-1]
+    assert "each group's rewards all equal" in said and "sampling.temperature=1.0" in said
+
+
+def test_a_long_flat_run_is_told_at_growing_intervals_not_every_few_steps():
+    """Streaks of 3 flat steps and 1 with signal, for 60 steps, printed the hint 7 times (a
+    warning per streak); now after 3, then 6, 12, 24 more flat steps."""
+    streak = FlatStreak(clock=Clock(), run=RUN)
+    records = [FLAT, FLAT, FLAT, LEARNING] * 15 + [FLAT] * 60
+    warned = [k for k, r in enumerate(records) if streak.see(r)]
+    flat_before = [records[: k + 1].count(FLAT) for k in warned]
+    assert flat_before == [3, 9, 21, 45, 93][: len(warned)] and len(warned) == 5
+
+
+def test_flat_steps_for_the_stall_timeout_stop_the_run_naming_the_cure():
     clock = Clock()
     streak = FlatStreak(give_up_s=30, clock=clock)
     streak.see(FLAT)
     clock.now += 40  # past the timeout, but after one flat step only: never before the warning
     assert streak.see(FLAT | {"reward/mean": 1.0}) is None
-    with pytest.raises(NothingLearned, match="last 3 steps .40 s.*echorl sft") as raised:
+    with pytest.raises(NothingLearned, match="last 3 steps .40 s.*score alike") as raised:
         streak.see(FLAT)
     assert "each group's rewards all equal" in str(raised.value)  # 0.0 and 1.0: no one value
