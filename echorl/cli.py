@@ -59,11 +59,15 @@ def _model_path(cfg: RunConfig) -> str:
     if cfg.model.path is None:
         console.print("[red]--model:[/red] give a local model folder (or model.path in the config)")
         raise typer.Exit(2)
+
+    def holds(folder: Path) -> bool:  # a model, or a LoRA adapter on a local base
+        return (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()
+
     inside = Path(cfg.model.path) / "policy"  # a run's folder, or one of its checkpoints
-    if not (Path(cfg.model.path) / "config.json").is_file() and (inside / "config.json").is_file():
+    if not holds(Path(cfg.model.path)) and holds(inside):
         console.print(f"model: {escape(str(inside))}")
         cfg.model.path = str(inside)
-    if not (Path(cfg.model.path) / "config.json").is_file():  # told before torch loads
+    if not holds(Path(cfg.model.path)):  # told before torch loads
         console.print(
             f"[red]model.path:[/red] {escape(cfg.model.path)} is not a model folder (no "
             "config.json); echorl never downloads"
@@ -216,6 +220,47 @@ def train(
         console.print(f"[red]the trainer stops:[/red] {escape(str(e))}")
         raise typer.Exit(1) from None
     _print_result(result)
+
+
+@app.command("export")
+def export_cmd(
+    src: Path = typer.Argument(
+        ..., help="a run's folder, one of its checkpoints, a policy or a LoRA adapter folder"
+    ),
+    out: Path = typer.Argument(..., help="the folder to write (new or empty)"),
+    merge_lora: bool = typer.Option(
+        True, "--merge-lora/--keep-adapter", help="a LoRA adapter: merged into its base, or kept"
+    ),
+    dtype: str = typer.Option(None, help="fp32, bf16 or fp16 (default: fp32, as trained)"),
+) -> None:
+    """A run's trained policy as a standard Hugging Face folder (safetensors, tokenizer,
+    chat template, generation config) that transformers and vLLM load."""
+    from echorl.models.export import DTYPES, export, policy_folder
+    from echorl.models.loading import NotAModelFolder
+
+    if dtype is not None and dtype not in DTYPES:
+        console.print(f"[red]--dtype:[/red] {escape(dtype)} is not one of {', '.join(DTYPES)}")
+        raise typer.Exit(2)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        console.print(f"[red]OUT:[/red] {escape(str(out))} exists and is not an empty folder")
+        raise typer.Exit(2)
+    try:
+        policy_folder(src)
+    except NotAModelFolder as e:
+        console.print(f"[red]SRC:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    _quiet_transformers()
+    folder, what = export(src, out, merge_lora, dtype)
+    console.print(Text(f"wrote {folder}: {what}"))
+    console.print(
+        Text(
+            "  from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast\n"
+            f'  model = AutoModelForCausalLM.from_pretrained("{folder}")\n'
+            f'  tokenizer = PreTrainedTokenizerFast.from_pretrained("{folder}")'
+            if merge_lora or not (folder / "adapter_config.json").is_file()
+            else f'  PeftModel.from_pretrained(base_model, "{folder}") (peft)'
+        )
+    )
 
 
 @app.command("eval")

@@ -6,6 +6,7 @@ causal-LM) checkpoint. Never downloads: the hub is switched off before loading.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -92,11 +93,27 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def adapter_base(path: str | Path) -> Path | None:
+    """The base model folder of a LoRA adapter folder (a LoRA run's checkpoint policy), or
+    None where `path` is not an adapter folder."""
+    config = Path(path) / "adapter_config.json"
+    if (Path(path) / "config.json").is_file() or not config.is_file():
+        return None
+    return Path(json.loads(config.read_text())["base_model_name_or_path"])
+
+
 def load_policy(
     path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load `(model, tokenizer)` from a local folder; the model is in eval mode on `device`."""
+    """Load `(model, tokenizer)` from a local folder; the model is in eval mode on `device`.
+    A LoRA adapter folder is applied to its base (a local folder) and merged."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if (base := adapter_base(path)) is not None:
+        from peft import PeftModel
+
+        model, tokenizer = load_policy(base, "cpu", dtype)
+        merged = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        return merged.to(device).eval(), tokenizer
     path = _check_dir(path)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
