@@ -65,7 +65,7 @@ def _model_path(cfg: RunConfig) -> str:
 
     inside = Path(cfg.model.path) / "policy"  # a run's folder, or one of its checkpoints
     if not holds(Path(cfg.model.path)) and holds(inside):
-        console.print(f"model: {escape(str(inside))}")
+        console.print(f"model: {escape(str(inside))}", soft_wrap=True)  # a path: copyable
         cfg.model.path = str(inside)
     if not holds(Path(cfg.model.path)):  # told before torch loads
         console.print(
@@ -251,7 +251,7 @@ def export_cmd(
         raise typer.Exit(2) from None
     _quiet_transformers()
     folder, what = export(src, out, merge_lora, dtype)
-    console.print(Text(f"wrote {folder}: {what}"))
+    console.print(Text(f"wrote {folder}: {what}"), soft_wrap=True)
     console.print(
         Text(
             "  from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast\n"
@@ -259,7 +259,8 @@ def export_cmd(
             f'  tokenizer = PreTrainedTokenizerFast.from_pretrained("{folder}")'
             if merge_lora or not (folder / "adapter_config.json").is_file()
             else f'  PeftModel.from_pretrained(base_model, "{folder}") (peft)'
-        )
+        ),
+        soft_wrap=True,
     )
 
 
@@ -636,7 +637,7 @@ def trainer(
         console.print(
             f"metrics: {folder / 'metrics.jsonl'}\nreward curve: {folder / 'reward_curve.png'}"
         )
-        console.print(Text(model_out(folder)))
+        console.print(Text(model_out(folder)), soft_wrap=True)
 
 
 def _cpu_set(text: str | None) -> set[int] | None:
@@ -777,7 +778,7 @@ def _run_swarm(
     if (folder / "metrics.jsonl").is_file():
         summarise(folder, console)
     console.print(f"logs: {folder / 'logs'}   metrics: {folder / 'metrics.jsonl'}")
-    console.print(Text(model_out(folder)))
+    console.print(Text(model_out(folder)), soft_wrap=True)
     return code
 
 

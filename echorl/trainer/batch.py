@@ -136,6 +136,7 @@ def token_logprobs(
             logits = logits / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        logp = _trained_only(logp, batch)
         entropy = None
         if with_entropy:
             with torch.no_grad():
@@ -183,12 +184,20 @@ def token_logprobs(
     target = (plen[:, None] - 1 + steps).clamp(max=batch.input_ids.shape[1] - 2)
     shape = (len(ids), batch.input_ids.shape[1] - 1)
     logp = torch.zeros(shape, device=device).scatter_add(1, target, torch.where(cmask, logp, 0.0))
+    logp = _trained_only(logp, batch)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             ent = torch.where(cmask, -(logp_all.exp() * logp_all).sum(-1), 0.0)
             entropy = torch.zeros(shape, device=device).scatter_add(1, target, ent)
     return logp, entropy
+
+
+def _trained_only(logp: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """0 off the tokens the loss trains (prompts, padding, environment tokens): their targets
+    may be special tokens whose suppressed log-prob (-1e4) would make exp(behaviour - logp)
+    inf there, and inf x a mask of 0 is nan."""
+    return torch.where(batch.loss_mask > 0, logp, 0.0)
 
 
 def _cache_of(out):
