@@ -460,10 +460,17 @@ class BrokerStore(SwarmBook):
                 n = min(n, probation.newcomers - self._newcomers_held(c))
             if n <= 0:
                 return []
+            # A job returned to the queue that the trainer waits for (a lapsed or lost
+            # sampler's) is never a newcomer's: fresh identities took each such job and held
+            # it a lease period, step after step (a proven sampler's one lapse: 46% of its
+            # rate). A newcomer takes only queued jobs that were extra, or fresh ones.
+            only_extra = "AND extra = 1" if newcomer else ""
             queued = [
                 r[0]
                 for r in c.execute(
-                    "SELECT job_id FROM jobs WHERE state = 'queued' ORDER BY job_id LIMIT ?", (n,)
+                    f"SELECT job_id FROM jobs WHERE state = 'queued' {only_extra} "
+                    "ORDER BY job_id LIMIT ?",
+                    (n,),
                 )
             ]
             fresh = self._create_jobs(c, n - len(queued), group_size)

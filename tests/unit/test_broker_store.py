@@ -802,3 +802,28 @@ def test_the_status_names_a_held_back_samplers_operator_and_what_it_lacks():
     assert standing.describe("m1", 16.0) == "newcomer of operator mallory: 16 of 128 tokens audited"
     assert standing.describe("s1", 0.0) == "newcomer: 0 of 128 tokens audited"  # shared token
     assert standing.describe("a1", 200.0) == "proven" and standing.trusted("a1")
+
+
+def test_a_job_the_trainer_waits_for_never_goes_to_a_newcomer_when_it_comes_back(s):
+    """A proven sampler's lease runs out: its jobs go back to the queue. Newcomers leased
+    them first (queued before fresh), each then holding a job of the trainer's batch a whole
+    lease period. Now a newcomer gets only extra jobs; the returned ones wait for a proven
+    sampler."""
+    probation = Probation(first=1000, newcomers=4, proven_tokens=10)
+    policy = Quarantine(min_tokens=10, max_mean_abs=0.5, max_kl=0.05, max_beyond=0.1, decay=1.0)
+    admit = Admission(batch=2, max_staleness=0, pin_version=True)
+    s.set_latest_version(0)
+    a = sampler(s, "a")
+    (job,) = s.lease(a, 1, 2, 0.0, 10, admit=admit)
+    push(s, a, group(s, job.job_id), [1.0, 0.0], now=1.0)
+    clean = {"tokens": 10, "abs_delta": 0.0, "kl": 0.0, "beyond": 0.0}
+    s.audit([GroupAudit(job_id=job.job_id, **clean)], policy, step=0)  # a is proven
+    (held,) = s.lease(a, 1, 2, 2.0, 10, admit=admit, probation=probation)
+    assert s.expire(now=13.0, sampler_timeout=100, bar_s=10) == (1, 0)  # a's lapse
+    newcomer = sampler(s, "sybil", now=13.0)
+    got = s.lease(newcomer, 4, 2, 13.0, 10, admit=admit, probation=probation)
+    assert got and held.job_id not in [j.job_id for j in got]
+    extra = "SELECT extra FROM jobs WHERE job_id = ?"
+    assert all(s.db.execute(extra, (j.job_id,)).fetchone() == (1,) for j in got)
+    (again,) = s.lease(a, 1, 2, 24.0, 10, admit=admit, probation=probation)  # bar over
+    assert again.job_id == held.job_id
