@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from echorl.broker.fanout import MIN_RATE_RANGE  # noqa: E402
 from tests.integration import conftest as io  # noqa: E402
 from tests.integration.test_hostile import CODEC, EOS, hoard_run, right_answer  # noqa: E402
-from tests.integration.test_peers import cut_high, peer_swarm  # noqa: E402
-from tests.integration.test_trust import proven_group_delay, pull_until  # noqa: E402
+from tests.integration.test_peers import cut_high, peer_swarm, sybil_reports  # noqa: E402
+from tests.integration.test_trust import proven_group_delay  # noqa: E402
 
 ATTACKS = ("launder", "hoard", "turns", "peers", "cut", "claims")
 
@@ -115,62 +115,8 @@ def turns(tmp: Path) -> list[dict]:
 
 
 def peers(tmp: Path) -> list[dict]:
-    """A broker (async, peer fan-out 1, probation on): p and a proven by the trainer's audit,
-    two sybils fresh; every version ~1 MB."""
-    proc, url = io.start_broker(
-        tmp / "b",
-        io.free_port(),
-        *("-o", "broker.peer_fanout=1"),
-        *("-o", "quarantine.min_tokens=2"),
-        *("-o", "broker.mode=async"),
-        *io.PROBATION,
-    )
-    size = 1 << 20
-    try:
-        io.publish(url, 0, b"\0" * size)
-        port = {}
-
-        def join(name):
-            port[name] = io.free_port()
-            return io.register(url, name, peer_url=f"http://127.0.0.1:{port[name]}")
-
-        honest = {name: join(name) for name in ("p", "a")}
-        for sid in honest.values():  # a delivered group the trainer audited: proven
-            (job,) = io.lease(url, sid).json()["jobs"]
-            body = {"sampler_id": sid, "group": io.group(job)}
-            assert (
-                httpx.post(f"{url}/v1/rollouts", json=body, headers=io.as_(sid)).status_code == 200
-            )
-            assert pull_until(url, job["job_id"], 60) < 60
-            io.audited(url, job["job_id"], 4)
-        sybils = [join(f"sybil{k}") for k in range(2)]
-
-        def ask(v, sid, **body):
-            r = httpx.post(f"{url}/v1/versions/{v}/source", json=body, headers=io.as_(sid))
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        p_url = f"http://127.0.0.1:{port['p']}"
-        for v, sybil in enumerate(sybils, start=1):  # each sybil: "p failed me", once
-            io.publish(url, v, bytes([v]) * size)
-            ask(v, honest["p"])  # the broker's one
-            if ask(v, sybil)["url"] == p_url:
-                ask(v, sybil, failed=p_url)
-        named, rates = 0, []
-        versions = range(len(sybils) + 1, len(sybils) + 12)
-        for v in versions:
-            io.publish(url, v, bytes([v % 256]) * size)
-            # p got the last version from the broker in 1 s; the sybils in 86,400 s, 1e-6 s
-            ask(v, honest["p"], took={"version": v - 1, "seconds": 1.0})  # the broker's one
-            got = ask(v, honest["a"])  # p named to a? at what min_rate (the reports so far)?
-            named += got["url"] == p_url
-            if got["min_rate"] is not None:
-                rates.append(got["min_rate"])
-            # Each sybil reports its last version from the broker took 86,400 s or 1e-6 s.
-            for sid, seconds in zip(sybils, (86_400.0, 1e-6)):
-                ask(v, sid, took={"version": v - 1, "seconds": seconds})
-    finally:
-        io.stop_broker(proc)
+    got = sybil_reports(tmp)
+    named, versions, rates = got["named"], got["versions"], got["rates"]
     low, high = MIN_RATE_RANGE
     in_range = bool(rates) and all(low <= r <= high for r in rates)
     return [

@@ -47,7 +47,7 @@ SLOW_MAX_VERSIONS = 64  # ... doubled each time it is found slow again, up to th
 LEAVE_SHARE = 0.25  # min_rate: this share of the median rate samplers got versions at
 MAX_RATE = 1e11  # bytes/s: a report of more is taken as this much
 MIN_RATE_RANGE = (64e3, 1e9)  # bytes/s: min_rate is clamped to this, whatever was reported
-JUDGE_AFTER = 2  # versions after which a taker's report is judged without its source's
+JUDGE_AFTER = 1  # versions after which a taker's report is judged without its source's
 
 log = logging.getLogger("echorl.broker")
 

@@ -21,14 +21,21 @@ from echorl.rollout.peers import PeerServer, Shelf, ticket
 from echorl.transfer import Partial
 from tests.integration.conftest import (
     IDENTITY,
+    PROBATION,
     SAMPLER,
     TRAINER,
+    as_,
+    audited,
     free_port,
+    group,
+    lease,
     publish,
+    register,
     start_broker,
     stop_broker,
     wait_until,
 )
+from tests.integration.test_trust import pull_until
 
 pytestmark = pytest.mark.integration
 
@@ -229,3 +236,108 @@ def test_a_small_step_in_bf16_arrives_as_a_delta_and_a_bad_one_is_fetched_whole(
             assert all(torch.equal(again.backend.model.state_dict()[k], held[k]) for k in v1)
     finally:
         stop_broker(proc)
+
+
+class ProvenPeers:
+    """A broker (async, probation on, peer fan-out `fanout`) where `proven` samplers have had
+    a group audited by the trainer and `fresh` ones not; each registered with a peer URL on
+    loopback (`plain` ones without: takers only). Versions are ~1 MB."""
+
+    SIZE = 1 << 20
+
+    def __init__(self, tmp_path, fanout, proven, fresh, plain=()):
+        self.proc, self.url = start_broker(
+            tmp_path / "b",
+            free_port(),
+            *("-o", f"broker.peer_fanout={fanout}"),
+            *("-o", "quarantine.min_tokens=2"),
+            *("-o", "broker.mode=async"),
+            *PROBATION,
+        )
+        self.publish(0)
+        self.ids, self.urls = {}, {}
+        for name in (*proven, *fresh):
+            self.urls[name] = f"http://127.0.0.1:{free_port()}"
+            self.ids[name] = register(self.url, name, peer_url=self.urls[name])
+        for name in plain:  # serves no peers: a taker only
+            self.ids[name] = register(self.url, name)
+        for name in proven:  # a delivered group the trainer audited: proven
+            sid = self.ids[name]
+            (job,) = lease(self.url, sid).json()["jobs"]
+            body = {"sampler_id": sid, "group": group(job)}
+            r = httpx.post(f"{self.url}/v1/rollouts", json=body, headers=as_(sid))
+            assert r.status_code == 200, r.text
+            assert pull_until(self.url, job["job_id"], 60) < 60
+            audited(self.url, job["job_id"], 4)
+
+    def publish(self, v):
+        assert publish(self.url, v, bytes([v % 256]) * self.SIZE).status_code == 200
+
+    def ask(self, v, name, **body) -> str:
+        """Where `name` is told to fetch version `v`: a peer's name, or 'broker'."""
+        r = httpx.post(f"{self.url}/v1/versions/{v}/source", json=body, headers=as_(self.ids[name]))
+        assert r.status_code == 200, r.text
+        self.last = r.json()
+        names = {u: n for n, u in self.urls.items()}
+        return names.get(r.json()["url"], "broker")
+
+    def stop(self):
+        stop_broker(self.proc)
+
+
+def sybil_reports(tmp_path) -> dict:
+    """Fan-out 1: p gets each version from the broker, a from p. Two sybils each report p
+    failed them once (v1, v2); then, 11 versions on, is p named to a, and at what min_rate,
+    while the sybils report their downloads took 86,400 s and 1e-6 s (also bench/trust.py's)."""
+    swarm = ProvenPeers(tmp_path, 1, proven=("p", "a"), fresh=("sybil0", "sybil1"))
+    try:
+        for v, sybil in ((1, "sybil0"), (2, "sybil1")):
+            swarm.publish(v)
+            swarm.ask(v, "p")  # the broker's one
+            if swarm.ask(v, sybil) == "p":
+                swarm.ask(v, sybil, failed=swarm.urls["p"])
+        named, rates, versions = 0, [], range(3, 14)
+        for v in versions:
+            swarm.publish(v)
+            swarm.ask(v, "p", took={"version": v - 1, "seconds": 1.0})  # 1 MB/s: a line
+            named += swarm.ask(v, "a") == "p"
+            if swarm.last["min_rate"] is not None:
+                rates.append(swarm.last["min_rate"])
+            for sybil, seconds in (("sybil0", 86_400.0), ("sybil1", 1e-6)):
+                swarm.ask(v, sybil, took={"version": v - 1, "seconds": seconds})
+    finally:
+        swarm.stop()
+    return {"named": named, "versions": versions, "rates": rates}
+
+
+def test_sybil_reports_drop_no_honest_peer_and_move_no_line(tmp_path):
+    """Two sybils each reporting an honest peer failed once: it was named in 0 of the next 11
+    versions; sybils' 86,400 s and 1e-6 s downloads pulled min_rate to 6 B/s and 2.5e10
+    B/s. Now p is named in >= 80% of them, and min_rate stays a quarter of the proven line
+    (1 MB/s), inside MIN_RATE_RANGE."""
+    got = sybil_reports(tmp_path)
+    assert got["named"] >= 0.8 * len(got["versions"]), got
+    assert got["rates"] and all(r == pytest.approx(0.25 * ProvenPeers.SIZE) for r in got["rates"])
+
+
+def test_a_peer_that_never_reports_its_download_is_a_leaf_within_two_versions(tmp_path):
+    """Fan-out 2: the broker serves q (which serves its takers at 80 kB/s and never reports
+    its own download, so its takers' reports waited for it for ever) and x; a and b, proven,
+    fetch from q and report it. q is named to nobody within 2 versions of the first slow
+    one (JUDGE_AFTER: a source's own report comes with its next ask, before its takers')."""
+    swarm = ProvenPeers(tmp_path, 2, proven=("a", "b"), fresh=("q",), plain=("x",))
+    slow = ProvenPeers.SIZE / 80e3  # seconds a version takes from q
+    try:
+        named = []
+        for v in range(1, 8):
+            swarm.publish(v)
+            swarm.ask(v, "q")  # the broker's; q says nothing of how it got the last one
+            swarm.ask(v, "x")  # the broker's second
+            took = {"took": {"version": v - 1, "seconds": slow}} if v > 1 else {}
+            named.append([swarm.ask(v, t, **took) for t in ("a", "b")])
+    finally:
+        swarm.stop()
+    # Version 1 came from q at 80 kB/s, told with the asks of version 2; q's own word never
+    # comes, so at the asks of version 3 their word is judged: q is named to nobody.
+    leaf_from = next(v for v, got in enumerate(named, start=1) if "q" not in got)
+    assert named[0] == ["q", "q"] and leaf_from <= 1 + 2, named
