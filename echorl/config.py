@@ -112,12 +112,21 @@ class AdvantageConfig(_Section):
 
 
 class LossConfig(_Section):
-    type: Literal["ppo_clip"] = Field(
-        "ppo_clip", description="policy loss, from echorl.trainer.losses.LOSSES"
+    type: Literal["ppo_clip", "gspo", "cispo"] = Field(
+        "ppo_clip",
+        description="policy loss (echorl.trainer.losses.LOSSES): ppo_clip (token ratios, "
+        "clip-higher), gspo (a sequence's ratio, clipped by seq_clip_*), cispo (every "
+        "token's gradient kept, its stop-gradient IS weight clipped by clip_*)",
     )
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio lower bound is 1 - clip_low")
     clip_high: float = Field(
         0.28, ge=0.0, le=10.0, description="ratio upper bound is 1 + clip_high (DAPO clip-higher)"
+    )
+    seq_clip_low: float = Field(
+        3e-4, ge=0.0, le=1.0, description="gspo: a sequence ratio's lower bound 1 - seq_clip_low"
+    )
+    seq_clip_high: float = Field(
+        4e-4, ge=0.0, le=10.0, description="gspo: its upper bound 1 + seq_clip_high"
     )
     aggregation: Literal["token_mean", "seq_mean"] = Field(
         "token_mean",

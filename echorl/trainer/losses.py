@@ -105,5 +105,91 @@ def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[
     return loss, metrics
 
 
+def gspo_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the ratio and its clipping are a sequence's,
+    the geometric mean of its tokens' ratios, so one odd token cannot clip a whole answer's
+    signal (nor pass through unclipped): the token-level form, whose value is the sequence's
+    and whose gradient reaches every token,
+
+        s_i   = exp(mean_t(logp_t - old_t))                       (a sequence's ratio)
+        s_i,t = sg(s_i) * exp(logp_t - sg(logp_t))                (= s_i; gradient per token)
+        w_i   = min(exp(mean_t(old_t - behaviour_t)), C)          (no gradient)
+        l_i,t = -w_i * min(s_i,t * A_i, clip(s_i,t, 1 - seq_clip_low, 1 + seq_clip_high) * A_i)
+        loss  = mean over sequences of the mean over their tokens
+
+    Sequence ratios sit near 1, so the bounds are small (the paper's 3e-4 and 4e-4)."""
+    keep = inp.mask.bool()
+    m = inp.mask.to(inp.logp.dtype)
+    n = m.sum(dim=1).clamp(min=1)
+    log_ratio = torch.where(keep, inp.logp - inp.old_logp, 0.0)
+    seq_log_ratio = (log_ratio * m).sum(dim=1) / n  # (N,)
+    log_is = torch.where(keep, inp.old_logp - inp.behaviour_logp, 0.0).detach()
+    seq_is = torch.exp((log_is * m).sum(dim=1) / n).clamp(max=cfg.is_cap)  # (N,)
+    token_log = torch.where(keep, inp.logp - inp.logp.detach(), 0.0)
+    ratio = torch.exp(seq_log_ratio.detach().unsqueeze(1) + token_log)  # (N, T)
+    adv = inp.advantages.to(inp.logp.dtype).unsqueeze(1)
+    surr = ratio * adv
+    surr_clipped = ratio.clamp(1.0 - cfg.seq_clip_low, 1.0 + cfg.seq_clip_high) * adv
+    per_token = -seq_is.unsqueeze(1) * torch.minimum(surr, surr_clipped)
+    metrics = {}
+    if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
+        kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
+        per_token = per_token + cfg.kl_coef * kl
+        metrics["loss/kl_ref"] = inp.mean(kl.detach()).item()
+    loss = inp.mean(per_token, "seq_mean")
+    with torch.no_grad():
+        rows = (m.sum(dim=1) > 0).to(m.dtype).unsqueeze(1)  # a sequence counts once
+        clipped = (surr_clipped < surr).to(m.dtype)[:, :1] * rows
+        metrics |= {
+            "loss/policy": loss.item(),
+            "loss/clip_frac": (clipped.sum() / rows.sum().clamp(min=1)).item(),
+            "loss/approx_kl_old": inp.mean(k3_kl(inp.logp, inp.old_logp)).item(),
+            "loss/is_weight_mean": (
+                (seq_is.unsqueeze(1) * rows).sum() / rows.sum().clamp(min=1)
+            ).item(),
+            "loss/seq_ratio_mean": (
+                (torch.exp(seq_log_ratio).unsqueeze(1) * rows).sum() / rows.sum().clamp(min=1)
+            ).item(),
+        }
+    return loss, metrics
+
+
+def cispo_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): never drop a token's gradient; clip the
+    importance weight instead, with no gradient through it, and weigh the log-prob:
+
+        r_t   = exp(logp_t - old_t)
+        w_t   = min(exp(old_t - behaviour_t), C)                  (no gradient)
+        l_t   = -w_t * sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A * logp_t
+        loss  = aggregate(l_t over completion tokens)
+
+    PPO's clip zeroes the gradient of a token whose ratio left the band (often the rare,
+    decisive ones); here every token keeps its gradient, its weight bounded."""
+    keep = inp.mask.bool()
+    log_ratio = torch.where(keep, inp.logp - inp.old_logp, 0.0).detach()
+    log_is = torch.where(keep, inp.old_logp - inp.behaviour_logp, 0.0).detach()
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    is_weight = torch.exp(log_is).clamp(max=cfg.is_cap)
+    adv = inp.advantages.to(inp.logp.dtype).unsqueeze(1)
+    logp = torch.where(keep, inp.logp, 0.0)
+    per_token = -is_weight * weight * adv * logp
+    metrics = {}
+    if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
+        kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
+        per_token = per_token + cfg.kl_coef * kl
+        metrics["loss/kl_ref"] = inp.mean(kl.detach()).item()
+    loss = inp.mean(per_token, cfg.aggregation)
+    with torch.no_grad():
+        metrics |= {
+            "loss/policy": loss.item(),
+            "loss/clip_frac": inp.mean((weight != ratio).float()).item(),
+            "loss/approx_kl_old": inp.mean(k3_kl(inp.logp, inp.old_logp)).item(),
+            "loss/is_weight_mean": inp.mean(is_weight).item(),
+            "loss/is_clip_frac": inp.mean((torch.exp(log_is) > cfg.is_cap).float()).item(),
+        }
+    return loss, metrics
+
+
 LossFn = Callable[[LossInputs, LossConfig], tuple[torch.Tensor, dict[str, float]]]
-LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss}
+LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}

@@ -6,6 +6,8 @@ pass@1 0.47 -> 0.62, 0.63, 0.64 (task seeds 0, 1, 2). Greedy accuracy moved 0.78
 on the same CPU and 0.725 -> 0.885 on another: too CPU-bound for a fixed margin.
 """
 
+import pytest
+
 from echorl.config import load_config
 from echorl.metrics import read_metrics
 from echorl.trainer.colocated import run_colocated
@@ -14,11 +16,19 @@ from tests.integration.conftest import SAMPLED
 MARGIN = 0.08  # held-out sampled pass@1 that RL must add (measured +0.15)
 
 
-def test_grpo_beats_the_warm_start(tmp_path, warm_add):
+# The other losses learn too (120 steps each: the `slow` stage): GSPO's sequence ratio, CISPO's
+# clipped stop-gradient weight.
+LOSSES = ["ppo_clip", pytest.param("gspo", marks=pytest.mark.slow)]
+LOSSES += [pytest.param("cispo", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_grpo_beats_the_warm_start(tmp_path, warm_add, loss):
     cfg = load_config(
         None,
         [
             "task.name=add",
+            f"loss.type={loss}",
             f"train.out_dir={tmp_path / 'rl'}",
             "train.eval_prompts=200",
             "train.eval_every=0",  # at both ends only: evaluation draws on no training RNG

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from echorl.config import LossConfig
-from echorl.trainer.losses import LossInputs, k3_kl, masked_mean, ppo_clip_loss
+from echorl.trainer.losses import (
+    LossInputs,
+    cispo_loss,
+    gspo_loss,
+    k3_kl,
+    masked_mean,
+    ppo_clip_loss,
+)
 
 L = math.log
 
@@ -104,3 +111,46 @@ def test_the_kl_reference_is_the_runs_starting_policy(tiny_saved):
     assert all(
         torch.equal(a, b) for a, b in zip(ref.state_dict().values(), start.state_dict().values())
     )
+
+
+def test_gspo_clips_a_sequences_ratio_by_hand():
+    """Sequence A: token ratios 1.25 and 0.8, geometric mean 1 (inside the band), A = 1:
+    l = -1 a token; its gradient -s*A, over 2 tokens and 2 sequences: -0.25 each. Sequence
+    B: ratio 2, clipped at 1.28 (A > 0: no gradient), IS weight 2 capped at 1.5: l = -1.92.
+    The loss is the mean of the sequences' means: (-1 - 1.92) / 2."""
+    inp = inputs(
+        [[L(0.5), L(0.4)], [L(0.5), -math.inf]],
+        [[L(0.4), L(0.5)], [L(0.25), 0.0]],
+        [[L(0.4), L(0.5)], [L(0.125), math.nan]],
+        [1.0, 1.0],
+        [[1, 1], [1, 0]],
+    )
+    cfg = LossConfig(type="gspo", seq_clip_low=0.2, seq_clip_high=0.28, is_cap=1.5)
+    loss, m = gspo_loss(inp, cfg)
+    assert loss.item() == pytest.approx(-1.46, abs=1e-6)
+    assert m["loss/clip_frac"] == pytest.approx(0.5)  # one sequence of two
+    assert m["loss/is_weight_mean"] == pytest.approx(1.25, abs=1e-6)
+    assert m["loss/seq_ratio_mean"] == pytest.approx(1.5, abs=1e-6)
+    loss.backward()
+    assert inp.logp.grad.flatten().tolist() == pytest.approx([-0.25, -0.25, 0.0, 0.0], abs=1e-6)
+
+
+def test_cispo_keeps_every_tokens_gradient_and_clips_its_weight_by_hand():
+    """Token 1: ratio 1.25 (inside), weight 1.25. Token 2: ratio 2, weight clipped to 1.28,
+    IS weight 2 capped at 1.5: PPO would give it no gradient; CISPO's is -1.5 * 1.28 * A."""
+    inp = inputs(
+        [[L(0.5), L(0.6), -math.inf]],
+        [[L(0.4), L(0.3), 0.0]],
+        [[L(0.4), L(0.15), math.nan]],
+        [1.0],
+        [[1, 1, 0]],
+    )
+    loss, m = cispo_loss(inp, LossConfig(type="cispo", clip_low=0.2, clip_high=0.28, is_cap=1.5))
+    assert loss.item() == pytest.approx((-1.25 * L(0.5) - 1.92 * L(0.6)) / 2, abs=1e-6)
+    assert m["loss/clip_frac"] == pytest.approx(0.5) and m["loss/is_clip_frac"] == 0.5
+    loss.backward()
+    assert inp.logp.grad[0].tolist() == pytest.approx([-1.25 / 2, -1.92 / 2, 0.0], abs=1e-6)
+    ppo, _ = ppo_clip_loss(inp, LossConfig(clip_low=0.2, clip_high=0.28, is_cap=1.5))
+    inp.logp.grad = None
+    ppo.backward()
+    assert inp.logp.grad[0, 1].item() == 0.0  # the token PPO's clip silences
