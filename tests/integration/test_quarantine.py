@@ -175,10 +175,12 @@ def test_dishonest_samplers_are_quarantined_and_honest_ones_are_not(tmp_path, wa
     # rise to be steady (sampled pass@1 on 50 problems: 0.53 -> 0.59 in one run, 0.53 ->
     # 0.53 in another; greedy 0.78 -> 0.92 on one CPU, 0.82 -> 0.72 on another): it must not
     # fall, and the honest samplers' own rewards must not either. The 200-step run (`slow`)
-    # asserts that it learns.
+    # asserts that it learns. "Must not fall" allows 2.5 sigma of the difference of two means
+    # of 10 steps' honest rewards (a step's varies by about 0.13 around 0.75, so the
+    # difference by about 0.06): with no slack it failed CI at 0.7456 -> 0.745.
     assert evals[-1] >= evals[0] - 0.05, evals
     honest = honest_rewards(tmp_path)
-    assert mean(honest[-10:]) >= mean(honest[:10]), honest
+    assert mean(honest[-10:]) >= mean(honest[:10]) - 0.15, honest
 
 
 # slow (~1.5 min): the default suite's 15 minutes; the test above runs the same swarm.
