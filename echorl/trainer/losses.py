@@ -66,6 +66,16 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def with_kl_ref(
+    inp: LossInputs, cfg: LossConfig, per_token: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`per_token` plus kl_coef x k3 KL to the frozen reference (when on), and its metric."""
+    if cfg.kl_coef <= 0.0 or inp.ref_logp is None:
+        return per_token, {}
+    kl = k3_kl(inp.logp, torch.where(inp.mask.bool(), inp.ref_logp, inp.logp.detach()))
+    return per_token + cfg.kl_coef * kl, {"loss/kl_ref": inp.mean(kl.detach()).item()}
+
+
 def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip with clip-higher and a truncated importance weight.
 
@@ -88,11 +98,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
     per_token = -is_weight * torch.minimum(surr, surr_clipped)
-    metrics = {}
-    if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
-        kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
-        per_token = per_token + cfg.kl_coef * kl
-        metrics["loss/kl_ref"] = inp.mean(kl.detach()).item()
+    per_token, metrics = with_kl_ref(inp, cfg, per_token)
     loss = inp.mean(per_token, cfg.aggregation)
     with torch.no_grad():
         metrics |= {
@@ -131,11 +137,7 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str,
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - cfg.seq_clip_low, 1.0 + cfg.seq_clip_high) * adv
     per_token = -seq_is.unsqueeze(1) * torch.minimum(surr, surr_clipped)
-    metrics = {}
-    if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
-        kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
-        per_token = per_token + cfg.kl_coef * kl
-        metrics["loss/kl_ref"] = inp.mean(kl.detach()).item()
+    per_token, metrics = with_kl_ref(inp, cfg, per_token)
     loss = inp.mean(per_token, "seq_mean")
     with torch.no_grad():
         rows = (m.sum(dim=1) > 0).to(m.dtype).unsqueeze(1)  # a sequence counts once
@@ -174,11 +176,7 @@ def cispo_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str
     adv = inp.advantages.to(inp.logp.dtype).unsqueeze(1)
     logp = torch.where(keep, inp.logp, 0.0)
     per_token = -is_weight * weight * adv * logp
-    metrics = {}
-    if cfg.kl_coef > 0.0 and inp.ref_logp is not None:
-        kl = k3_kl(inp.logp, torch.where(keep, inp.ref_logp, inp.logp.detach()))
-        per_token = per_token + cfg.kl_coef * kl
-        metrics["loss/kl_ref"] = inp.mean(kl.detach()).item()
+    per_token, metrics = with_kl_ref(inp, cfg, per_token)
     loss = inp.mean(per_token, cfg.aggregation)
     with torch.no_grad():
         metrics |= {
