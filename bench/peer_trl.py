@@ -83,13 +83,13 @@ def accuracy(folder: Path, cfg, threads: int) -> float:
     torch.set_num_threads(threads)
     backend = HFBackend(*load_policy(folder))
     with run_pool(cfg, backend.codec) as scorer:
-        return held_out(backend, get_task(cfg.task.name), cfg, scorer).accuracy
+        return held_out(backend, get_task(cfg.task.spec), cfg, scorer).accuracy
 
 
 def run_echorl(model: Path, cfg, threads: int) -> dict:
     torch.set_num_threads(threads)
     backend = HFBackend(*load_policy(model))
-    task = get_task(cfg.task.name)
+    task = get_task(cfg.task.spec)
     opt = build_optimizer(backend.model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim)
     rewards = []
@@ -109,7 +109,7 @@ def run_trl(python: Path, model: Path, cfg, threads: int, out: Path) -> dict:
     cmd = [str(python), str(ROOT / "bench" / "trl_side.py"), "--model", str(model)]
     cmd += ["--out", str(out), "--task", cfg.task.name, "--steps", str(t.steps)]
     cmd += ["--batch", str(t.batch_prompts), "--group", str(t.group_size)]
-    cmd += ["--max-new-tokens", str(get_task(cfg.task.name).max_new_tokens)]
+    cmd += ["--max-new-tokens", str(get_task(cfg.task.spec).max_new_tokens)]
     cmd += ["--lr", str(cfg.optim.lr), "--threads", str(threads), "--seed", str(t.seed)]
     cmd += ["--task-seed", str(cfg.task.seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -76,6 +76,20 @@ def _model_path(cfg: RunConfig) -> str:
     return cfg.model.path
 
 
+def _own_code(cfg: RunConfig) -> None:
+    """The trainer's own code by import path (loss.type, advantage.type) imports here, before
+    any model loads; exits 2 naming the field when it does not."""
+    from echorl.trainer.advantages import advantage_fn
+    from echorl.trainer.losses import loss_fn
+
+    try:
+        loss_fn(cfg.loss.type)
+        advantage_fn(cfg.advantage.type)
+    except ValueError as e:
+        console.print(f"[red]config error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+
+
 def _broker_url(given: str | None, cfg: RunConfig) -> str:
     """`--broker` (else `broker.url`, else the configured host and port), checked to be an
     http(s) URL: a bare host:port would be retried for a minute as if the broker were down."""
@@ -135,7 +149,7 @@ def warm_up_to(cfg: RunConfig, model_dir: Path | None, out: Path) -> Path:
     else:
         model, tokenizer = build_tiny_model(cfg.model.preset, cfg.model.init_seed)
     with steps(console, f"warm-up on {cfg.task.name}", cfg.sft.steps) as bar:
-        losses = warm_up(model, tokenizer, get_task(cfg.task.name), cfg.sft, bar, cfg.sampling)
+        losses = warm_up(model, tokenizer, get_task(cfg.task.spec), cfg.sft, bar, cfg.sampling)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if losses:
@@ -210,6 +224,7 @@ def train(
         **{"task.name": task, "train.steps": steps, "train.out_dir": out, "model.path": model},
     )
     model_path = _model_path(cfg)
+    _own_code(cfg)
     _quiet_transformers()
     from echorl.trainer.colocated import run_colocated
     from echorl.trainer.flat import NothingLearned
@@ -303,7 +318,7 @@ def evaluate_cmd(
 
     backend = HFBackend(*load_policy(cfg.model.path, cfg.model.device))
     with run_pool(cfg, backend.codec) as scorer:
-        result = held_out(backend, get_task(cfg.task.name), cfg, scorer)
+        result = held_out(backend, get_task(cfg.task.spec), cfg, scorer)
     shown = f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f}"
     if result.pass1 is not None:
         shown += f", sampled pass@1 {result.pass1:.3f} ({result.samples} per problem)"
@@ -602,6 +617,7 @@ def trainer(
     SIGTERM checkpoints and exits; --resume continues exactly."""
     cfg = _config(config, override, **{"train.out_dir": out, "model.path": model})
     _model_path(cfg)
+    _own_code(cfg)
     cpus, url = _cpu_set(io_cpus), _broker_url(broker_url, cfg)
     _quiet_transformers()
     _threads(cfg)
@@ -743,6 +759,7 @@ def _run_swarm(
 ) -> int:
     from echorl.launch.local import launch, model_out, summarise
 
+    _own_code(cfg)  # the trainer would fail on it after the broker and samplers started
     if on_ray:
         try:
             from echorl.launch.ray import launch_ray

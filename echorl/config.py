@@ -76,16 +76,88 @@ class TaskConfig(_Section):
         "kept apart from correctness (accuracy counts the verifier alone)",
     )
 
+    dataset: str | None = Field(
+        None,
+        description="your own data: a .jsonl/.json/.csv/.parquet file or a local datasets "
+        "folder, one row a prompt (text or chat messages in `prompt_column`), scored by "
+        "`rewards` over its columns (TRL's reward functions); task.name is then 'dataset'",
+    )
+    prompt_column: str = Field("prompt", min_length=1, description="the dataset's prompt column")
+    rewards: list[str] = Field(
+        [],
+        max_length=32,
+        description="reward functions, file.py:name or module.path:name, each "
+        "fn(prompts, completions, **columns) -> list[float]; the reward is their weighted sum",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="one weight per reward function; unset = 1 each"
+    )
+    eval_dataset: str | None = Field(
+        None, description="held-out rows from another file (else a hash of each prompt decides)"
+    )
+    eval_fraction: float | None = Field(
+        None, gt=0.0, lt=1.0, description="the held-out share of `dataset`'s rows; unset = 1/8"
+    )
+    max_new_tokens: int = Field(
+        256,
+        ge=1,
+        le=32768,
+        description="a dataset's completion bound (built-in tasks have their own)",
+    )
+
+    @property
+    def spec(self) -> str:
+        """The string `echorl.tasks.get_task` builds this task from (the verifier workers
+        receive it): `name`, or the dataset's settings."""
+        if self.dataset is None:
+            return self.name
+        from echorl.tasks.dataset import DatasetSpec
+
+        return DatasetSpec(
+            self.dataset,
+            tuple(self.rewards),
+            None if self.reward_weights is None else tuple(self.reward_weights),
+            self.eval_dataset,
+            self.eval_fraction,
+            self.prompt_column,
+            self.max_new_tokens,
+        ).spec()
+
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
         from echorl.tasks import get_task
 
+        if name != "dataset":
+            try:
+                get_task(name)
+            except (KeyError, ValueError) as e:
+                raise ValueError(e.args[0] if e.args else str(e)) from None
+        return name
+
+    @model_validator(mode="after")
+    def _dataset(self) -> TaskConfig:
+        from echorl.tasks import get_task
+
+        if self.dataset is None:
+            for key in ("rewards", "reward_weights", "eval_dataset", "eval_fraction"):
+                if getattr(self, key):
+                    raise ValueError(f"task.{key} is for your own data: set task.dataset too")
+        elif self.name not in ("add", "dataset"):
+            raise ValueError(
+                f"task.name {self.name!r} and task.dataset are two tasks: set one of them"
+            )
+        elif self.name != "dataset":
+            self.__dict__["name"] = "dataset"  # what the run's saved config reads back
+        if self.dataset is None:
+            if self.name == "dataset":
+                raise ValueError("task.name 'dataset' needs task.dataset (a file or folder)")
+            return self
         try:
-            get_task(name)
+            get_task(self.spec)
         except (KeyError, ValueError) as e:
             raise ValueError(e.args[0] if e.args else str(e)) from None
-        return name
+        return self
 
 
 class SamplingConfig(_Section):
@@ -105,19 +177,44 @@ class SamplingConfig(_Section):
 
 
 class AdvantageConfig(_Section):
-    type: Literal["grpo", "drgrpo", "rloo"] = Field(
-        "grpo", description="grpo: (r-mean)/(std+eps); drgrpo: r-mean; rloo: r - mean of the others"
+    type: str = Field(
+        "grpo",
+        description="grpo: (r-mean)/(std+eps); drgrpo: r-mean; rloo: r - mean of the others; "
+        "or your own, file.py:name or module.path:name: fn(rewards (groups, G), cfg) -> same shape",
     )
     eps: float = Field(1e-6, gt=0.0, le=1.0, description="added to the group std (grpo)")
 
+    @field_validator("type")
+    @classmethod
+    def _builtin_or_path(cls, name: str) -> str:
+        return _builtin_or_path(name, ("grpo", "drgrpo", "rloo"), "advantage")
+
+
+def _builtin_or_path(name: str, builtin: tuple[str, ...], what: str) -> str:
+    """A built-in name, or the form of an import path (resolved where it runs: the trainer)."""
+    from echorl.userpath import is_import_path
+
+    if name in builtin or is_import_path(name):
+        return name
+    raise ValueError(
+        f"unknown {what} {name!r}: one of {', '.join(builtin)}, or file.py:name / module.path:name"
+    )
+
 
 class LossConfig(_Section):
-    type: Literal["ppo_clip", "gspo", "cispo"] = Field(
+    type: str = Field(
         "ppo_clip",
         description="policy loss (echorl.trainer.losses.LOSSES): ppo_clip (token ratios, "
         "clip-higher), gspo (a sequence's ratio, clipped by seq_clip_*), cispo (every "
-        "token's gradient kept, its stop-gradient IS weight clipped by clip_*)",
+        "token's gradient kept, its stop-gradient IS weight clipped by clip_*); or your own, "
+        "file.py:name or module.path:name: fn(LossInputs, cfg) -> (loss, metrics), "
+        "imported by the trainer",
     )
+
+    @field_validator("type")
+    @classmethod
+    def _builtin_or_path(cls, name: str) -> str:
+        return _builtin_or_path(name, ("ppo_clip", "gspo", "cispo"), "loss")
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio lower bound is 1 - clip_low")
     clip_high: float = Field(
         0.28, ge=0.0, le=10.0, description="ratio upper bound is 1 + clip_high (DAPO clip-higher)"
@@ -181,6 +278,19 @@ class TrainConfig(_Section):
         True,
         description="leave out groups whose rewards are all equal (zero advantage, no policy "
         "gradient) so they neither dilute the token mean nor move Adam; a step with none left is skipped",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: the broker sets flat groups aside as they are "
+        "scored and gives their place to fresh prompts, until a step has B informative groups "
+        "(both protocols; the refill rate is logged as rollout/refill_rate)",
+    )
+    dynamic_sampling_max: float = Field(
+        4.0,
+        ge=0.0,
+        le=1000.0,
+        description="flat groups set aside per version, as a multiple of B, before flat ones "
+        "are served anyway (a model that solves all or nothing is then told so, not waited on)",
     )
     eval_every: int = Field(
         0, ge=0, description="steps between held-out greedy evaluations; 0 = start and end only"
@@ -619,6 +729,30 @@ class LaunchConfig(_Section):
     )
 
 
+class MetricsConfig(_Section):
+    """Where a run's numbers go besides OUT/metrics.jsonl and its PNG plots (echorl/trackers.py)."""
+
+    tensorboard: bool = Field(
+        True, description="event files in OUT/tb (when tensorboard is installed)"
+    )
+    wandb: bool = Field(False, description="Weights & Biases: config, every step, the summary")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: files in OUT/wandb (`wandb sync` uploads them); online: needs "
+        "`wandb login` or WANDB_API_KEY",
+    )
+    mlflow: bool = Field(False, description="MLflow: config as params, every step, summary.json")
+    mlflow_uri: str | None = Field(
+        None, description="an MLflow tracking server or store; unset = the folder OUT/mlruns"
+    )
+    project: str = Field(
+        "echorl", min_length=1, max_length=128, description="W&B project, MLflow experiment"
+    )
+    run_name: str | None = Field(
+        None, max_length=128, description="the tracker run's name; unset = the out folder's"
+    )
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -633,6 +767,7 @@ class RunConfig(_Section):
     quarantine: QuarantineConfig = QuarantineConfig()
     sampler: SamplerConfig = SamplerConfig()
     launch: LaunchConfig = LaunchConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _group_needs_peers(self) -> RunConfig:

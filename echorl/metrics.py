@@ -1,4 +1,5 @@
-"""Metrics: append-only JSONL (one object per step), TensorBoard when installed, PNG plots.
+"""Metrics: append-only JSONL (one object per step), TensorBoard when installed, W&B and
+MLflow when asked (echorl/trackers.py), PNG plots.
 
 Keys are namespaced (`reward/mean`, `rollout/staleness_max`, `trainer/step_s`).
 TensorBoard event files go next to the JSONL (`tb/`) when the optional
@@ -14,13 +15,25 @@ import time
 from pathlib import Path
 
 
+def tracking(cfg) -> tuple[dict, dict]:
+    """What MetricsLog needs of a RunConfig for its trackers: their settings, the config."""
+    return cfg.metrics.model_dump(), cfg.model_dump(mode="json")
+
+
 class MetricsLog:
     """Append-only JSONL; each line is flushed so a crash loses at most the step in flight."""
 
-    def __init__(self, path: Path, keep_through_step: int = 0, tensorboard: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        keep_through_step: int = 0,
+        tensorboard: bool = False,
+        tracking: tuple[dict, dict] | None = None,
+    ):
         """Open `path` for appending, first dropping records of steps after `keep_through_step`
         (a resumed run rewrites what it logged after its checkpoint); 0 starts afresh.
-        `tensorboard`: also write event files to `path.parent / "tb"`, if tensorboard is installed."""
+        `tensorboard`: also write event files to `path.parent / "tb"`, if tensorboard is installed.
+        `tracking`: (a MetricsConfig's dump, the run's config) for W&B and MLflow."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
@@ -29,6 +42,12 @@ class MetricsLog:
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.file = path.open("a")
         self.tb = _event_writer(path.parent / "tb") if tensorboard else None
+        self.trackers, self.last = [], {}
+        if tracking is not None:
+            from echorl.trackers import open_trackers
+
+            self.tb = self.tb if tracking[0].get("tensorboard", True) else None
+            self.trackers = open_trackers(tracking[0], path.parent, tracking[1])
 
     def write(self, record: dict) -> None:
         clean = {
@@ -37,6 +56,13 @@ class MetricsLog:
         }
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
+        if self.trackers:
+            from echorl.trackers import numbers
+
+            values = numbers(clean)
+            self.last |= values
+            for tracker in self.trackers:
+                tracker.log(record.get("step", 0), values)
         if self.tb is not None:
             from tensorboard.compat.proto import event_pb2, summary_pb2
 
@@ -58,6 +84,9 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        for tracker in self.trackers:  # the summary: each number's last value
+            tracker.finish(self.last)
+        self.trackers = []
 
 
 def _event_writer(folder: Path):

@@ -283,6 +283,12 @@ class ScoredGroup(_Wire):
     sampler: str | None = Field(
         None, max_length=64, description="who generated it: filled in by the broker on a pull"
     )
+    reward_parts: dict[str, tuple[float, int]] | None = Field(
+        None,
+        max_length=32,
+        description="a dataset task's reward functions: name -> (sum, count) over the group, "
+        "filled in by the broker with its rewards (a sampler's are not read)",
+    )
 
     @model_validator(mode="after")
     def _oldest_version(self) -> ScoredGroup:
@@ -340,7 +346,7 @@ class Arrival:
             group_size=len(group.completions),
             max_token=max((max(c.token_ids), k) for k, c in enumerate(group.completions)),
             tokens=group.tokens,
-            body=group.model_dump_json(exclude={"rewards", "sampler"}),
+            body=group.model_dump_json(exclude={"rewards", "sampler", "reward_parts"}),
             claimed=json.dumps(group.rewards),
         )
 
@@ -658,6 +664,7 @@ class PullReply(_Wire):
     dropped_stale: int
     auditors: int = 0  # auditors alive: the trainer leaves the audits it would pay for to them
     wasted_tokens: int = 0  # completion tokens generated for cancelled work so far (sync)
+    flat_refilled: int = 0  # flat groups set aside so far, their place given to fresh prompts
     verifier_failures: int = 0  # completions scored 0 because the task's verifier failed
     verifier_error: str | None = None  # the first exception it raised, its last line
 

@@ -331,6 +331,7 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
     reply = (
         f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped},'
         f'"auditors":{st.auditors_alive()},"wasted_tokens":{st.store.wasted_tokens},'
+        f'"flat_refilled":{st.store.flat_refilled},'
         f'"verifier_failures":{sum(st.verifier.failures.values())},'
         f'"verifier_error":{json.dumps(st.verifier.first_error)}}}'
     )

@@ -291,7 +291,8 @@ class BrokerState:
             if v.refused:
                 log.warning("the group for job %d is refused: %s", job_id, v.refused)
         verdicts = [
-            (job_id, created, None if v.refused else v.rewards) for (job_id, created), v in pairs
+            (job_id, created, None if v.refused else v.rewards, v.parts)
+            for (job_id, created), v in pairs
         ]
         self.writer.trainer.submit(self.store.scored, verdicts).add_done_callback(self._stored)
 
@@ -388,6 +389,9 @@ def open_store(cfg: RunConfig, task: Task | Environment, codec: RunTokenizer) ->
         vocab_size=codec.vocab_size,
         synchronous=cfg.broker.synchronous,
         max_attempts=cfg.broker.max_attempts,
+        refill_flat=round(cfg.train.dynamic_sampling_max * cfg.train.batch_prompts)
+        if cfg.train.dynamic_sampling
+        else 0,
     )
     identity = {
         "task": task.name,
@@ -416,7 +420,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
     job's prompt encodes to ids in the vocabulary. Raises SetupError with the reason."""
     b = cfg.broker
     try:
-        task = get_task(cfg.task.name)
+        task = get_task(cfg.task.spec)
     except (KeyError, ValueError) as e:
         raise SetupError(f"task.name: {e.args[0] if e.args else e}") from None
     try:

@@ -111,19 +111,25 @@ MIGRATIONS = (
     ("samplers", "cost_per_hour", "REAL"),
     ("jobs", "leased_at", "REAL"),
     ("rollouts", "tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("rollouts", "parts", "TEXT"),  # a dataset task's rewards, one by one (sums, counts)
+    ("rollouts", "flat", "INTEGER NOT NULL DEFAULT 0"),  # set aside by dynamic sampling
 )
 
-WIRE = {"rewards", "sampler"}  # what a stored body leaves out: added when it is served
+WIRE = {"rewards", "sampler", "reward_parts"}  # what a stored body leaves out: added when served
 
 
-def served(body: str, rewards: str, sampler_id: str) -> str:
-    """A stored group's JSON as the trainer gets it: the body with the broker's rewards and
-    the id of the sampler that pushed it (a JSON object, so the keys go before its '}')."""
-    return f'{body[:-1]},"rewards":{rewards},"sampler":{json.dumps(sampler_id)}}}'
+def served(body: str, rewards: str, sampler_id: str, parts: str | None = None) -> str:
+    """A stored group's JSON as the trainer gets it: the body with the broker's rewards (and
+    a dataset task's rewards one by one) and the id of the sampler that pushed it (a JSON
+    object, so the keys go before its '}')."""
+    tail = f',"reward_parts":{parts}' if parts else ""
+    return f'{body[:-1]},"rewards":{rewards},"sampler":{json.dumps(sampler_id)}{tail}}}'
 
 
-def _with_rewards(body: str, rewards: str, sampler_id: str) -> ScoredGroup:
-    return ScoredGroup.model_validate_json(served(body, rewards, sampler_id))
+def _with_rewards(
+    body: str, rewards: str, sampler_id: str, parts: str | None = None
+) -> ScoredGroup:
+    return ScoredGroup.model_validate_json(served(body, rewards, sampler_id, parts))
 
 
 @dataclass(frozen=True)
@@ -200,12 +206,16 @@ class BrokerStore(SwarmBook):
         vocab_size: int = 1 << 20,
         synchronous: str = "NORMAL",
         max_attempts: int = 5,
+        refill_flat: int = 0,
     ):
+        """`refill_flat`: dynamic sampling (DAPO): up to that many flat groups (every reward
+        equal: no advantage) of one version are set aside as scored, never served, and their
+        jobs' place in the budget goes to fresh prompts; 0 = off."""
         assert synchronous in ("NORMAL", "FULL"), (
             f"synchronous must be NORMAL or FULL, not {synchronous}"
         )
         self.task, self.problem, self.encode, self.run_seed = task, problem, encode, run_seed
-        self.vocab_size, self.max_attempts = vocab_size, max_attempts
+        self.vocab_size, self.max_attempts, self.refill_flat = vocab_size, max_attempts, refill_flat
         # One connection shared by the server's threads; the lock serialises its transactions.
         self.lock = threading.RLock()
         self._batching = False  # a `batch` transaction is open (read by the lock's holder)
@@ -220,7 +230,8 @@ class BrokerStore(SwarmBook):
         self._tx(
             lambda c: c.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1), "
-                "('cancelled_jobs', 0), ('wasted_groups', 0), ('wasted_tokens', 0)"
+                "('cancelled_jobs', 0), ('wasted_groups', 0), ('wasted_tokens', 0), "
+                "('flat_refilled', 0)"
             )
         )
         # Consumed groups are most of the table and only ever grow: counted, not scanned.
@@ -235,6 +246,9 @@ class BrokerStore(SwarmBook):
         ).fetchone()[0]
         # Completion tokens generated for nothing (sync's cancelled groups): every pull says it.
         self.wasted_tokens: int = self.wasted()["wasted_tokens"]
+        self.flat_refilled: int = self.db.execute(
+            "SELECT value FROM meta WHERE key = 'flat_refilled'"
+        ).fetchone()[0]
 
     def _tx(self, fn):
         """Run `fn(cursor)` in one IMMEDIATE transaction (writers serialise, readers never
@@ -374,7 +388,7 @@ class BrokerStore(SwarmBook):
         """Job 0's problem and prompt ids, made as a lease would make them (nothing stored):
         the check, at start, that the task and the tokenizer can serve the run."""
         _, problem = self._problem_for(0)
-        ids = self.encode(problem.prompt)
+        ids = self.encode(problem.query)
         if not ids:
             raise ValueError(f"the prompt {problem.prompt[:80]!r} encodes to no tokens")
         if max(ids) >= self.vocab_size:
@@ -491,7 +505,7 @@ class BrokerStore(SwarmBook):
         for job_id in fresh:
             try:  # the task's and the template's own code: a failure parks this job alone
                 seed, problem = self._problem_for(job_id)
-                prompt, ids = problem.prompt, self.encode(problem.prompt)
+                prompt, ids = problem.prompt, self.encode(problem.query)
                 if not ids or len(ids) > MAX_PROMPT_TOKENS:
                     raise ValueError(
                         f"its prompt encodes to {len(ids)} ids (1 to {MAX_PROMPT_TOKENS} allowed)"
@@ -623,7 +637,8 @@ class BrokerStore(SwarmBook):
                 f"the group was generated by {sorted(group.versions)}"
             )
         c.execute(
-            "INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, NULL, ?, 'scoring', NULL, NULL, NULL, ?)",
+            "INSERT INTO rollouts (job_id, version, sampler_id, body, claimed, created_at, state, "
+            "tokens) VALUES (?, ?, ?, ?, ?, ?, 'scoring', ?)",
             (group.job_id, group.version, sampler_id, group.body, group.claimed, now, group.tokens),
         )
         c.execute(
@@ -644,16 +659,21 @@ class BrokerStore(SwarmBook):
         if (speed := delivered_speed(spans)) is not None:
             c.execute("UPDATE samplers SET tokens_per_s = ? WHERE id = ?", (speed, sampler_id))
 
-    def scored(self, verdicts: list[tuple[int, float, list[float] | None]]) -> tuple[int, int, int]:
+    def scored(
+        self, verdicts: list[tuple[int, float, list[float] | None, dict | None]]
+    ) -> tuple[int, int, int]:
         """The verifier's verdicts, in one transaction: (job id, the group's created_at, the
-        broker's rewards, or None when it refused the group). A scored group becomes ready; a
+        broker's rewards, or None when it refused the group; a dataset task's rewards one by
+        one, or None). A scored group becomes ready (a flat one, under dynamic sampling, is
+        set aside while its version has had fewer than `refill_flat`: its place is taken by
+        a fresh prompt's job); a
         refused one is deleted and its job queued again (an attempt counted). A verdict for a
         group no longer scoring (a resumed trainer deleted it) changes nothing. Returns
         (ready, refused, samplers whose first delivered group this was)."""
 
         def fn(c):
-            ready = refused = promoted = 0
-            for job_id, created, rewards in verdicts:
+            ready = refused = promoted = flat = 0
+            for job_id, created, rewards, parts in verdicts:
                 if rewards is None:
                     gone = c.execute(
                         "DELETE FROM rollouts WHERE job_id = ? AND state = 'scoring' "
@@ -665,21 +685,38 @@ class BrokerStore(SwarmBook):
                             f"UPDATE jobs SET {RETRY} WHERE job_id = ?", (self.max_attempts, job_id)
                         )
                     refused += gone
-                elif c.execute(
-                    "UPDATE rollouts SET state = 'ready', rewards = ? WHERE job_id = ? "
-                    "AND state = 'scoring' AND created_at = ?",
-                    (json.dumps(rewards), job_id, created),
+                    continue
+                state = "ready"
+                if self.refill_flat and len(set(rewards)) == 1:
+                    (set_aside,) = c.execute(
+                        "SELECT COUNT(*) FROM rollouts WHERE flat = 1 AND version = "
+                        "(SELECT version FROM rollouts WHERE job_id = ?)",
+                        (job_id,),
+                    ).fetchone()
+                    state = "stale" if set_aside < self.refill_flat else "ready"
+                if c.execute(
+                    f"UPDATE rollouts SET state = '{state}', flat = {int(state == 'stale')}, "
+                    "rewards = ?, parts = ? WHERE job_id = ? AND state = 'scoring' "
+                    "AND created_at = ?",
+                    (json.dumps(rewards), parts and json.dumps(parts), job_id, created),
                 ).rowcount:
-                    ready += 1
+                    ready += state == "ready"
+                    flat += state == "stale"
                     (delivered,) = c.execute(  # a delivered group: its sampler may hold more
                         "UPDATE samplers SET delivered = delivered + 1 WHERE id = "
                         "(SELECT sampler_id FROM rollouts WHERE job_id = ?) RETURNING delivered",
                         (job_id,),
                     ).fetchone() or (0,)
                     promoted += delivered == 1
-            return ready, refused, promoted
+            if flat:
+                c.execute(
+                    "UPDATE meta SET value = value + ? WHERE key = 'flat_refilled'", (flat,)
+                )
+            return ready, refused, promoted, flat
 
-        return self._tx(fn)
+        *counts, flat = self._tx(fn)
+        self.flat_refilled += flat
+        return tuple(counts)
 
     def scoring(self) -> list[tuple[int, float, int, ScoredGroup]]:
         """Groups stored but not yet scored (a restarted broker scores them again): job id,
@@ -722,7 +759,7 @@ class BrokerStore(SwarmBook):
                 "UPDATE rollouts SET pull_deadline = ? WHERE state = 'pulled'",
                 (now + lease_seconds,),
             )
-            select = "SELECT job_id, body, rewards, sampler_id FROM rollouts r "
+            select = "SELECT job_id, body, rewards, sampler_id, parts FROM rollouts r "
             if request_id is not None:
                 rows = c.execute(
                     select + "WHERE state = 'pulled' AND pull_request = ? ORDER BY job_id",
@@ -797,7 +834,12 @@ class BrokerStore(SwarmBook):
     def _counts(q) -> dict[str, dict]:
         return {
             "jobs": dict(q("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()),
-            "rollouts": dict(q("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()),
+            "rollouts": dict(
+                q(
+                    "SELECT CASE WHEN flat THEN 'flat' ELSE state END, COUNT(*) FROM rollouts "
+                    "GROUP BY 1"
+                ).fetchall()
+            ),
             "ready_by_version": dict(
                 q(
                     "SELECT version, COUNT(*) FROM rollouts WHERE state = 'ready' GROUP BY version"
@@ -914,7 +956,7 @@ class BrokerStore(SwarmBook):
                     (final_below, now, version),
                 )
             rows = c.execute(
-                f"SELECT a.job_id, r.body, r.rewards, r.sampler_id {due} AND r.version = ? "
+                f"SELECT a.job_id, r.body, r.rewards, r.sampler_id, r.parts {due} AND r.version = ? "
                 "ORDER BY a.job_id LIMIT ?",
                 (final_below, now, version, n),
             ).fetchall()

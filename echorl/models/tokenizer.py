@@ -168,16 +168,22 @@ class RunTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, text: str, system: str | None = None) -> str:
-        """`text` as a user turn (after an optional system turn), with the generation prompt,
-        rendered by the chat template the way transformers renders it."""
+    def render_chat(self, text: str | list[dict], system: str | None = None) -> str:
+        """`text` as a user turn, or a dataset's chat messages, after an optional system turn
+        (when they hold none), with the generation prompt, rendered by the chat template the
+        way transformers renders it."""
         if not self.chat_template:
             raise TokenizerError(
-                "sampling.prompt_format = chat needs a tokenizer with a chat template; this one "
-                "has none (the built-in tiny model's byte tokenizer has none: use plain)"
+                "sampling.prompt_format = chat (or a dataset of chat messages) needs a "
+                "tokenizer with a chat template; this one has none (the built-in tiny model's "
+                "byte tokenizer has none: use plain text prompts)"
             )
+        if isinstance(text, str):
+            text = [{"role": "user", "content": text}]
         messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": text})
+        if any(m["role"] == "system" for m in text):
+            messages = []
+        messages += [{"role": m["role"], "content": m["content"]} for m in text]
         return self._compiled.render(
             messages=messages,
             add_generation_prompt=True,
@@ -197,13 +203,16 @@ class RunTokenizer:
     def _compiled(self):
         return _compile(self.chat_template)
 
-    def encode_prompt(self, text: str, params: SamplingConfig) -> list[int]:
-        """A task's prompt text as token ids in the run's `sampling.prompt_format`."""
-        if params.prompt_format == "chat":
+    def encode_prompt(self, text: str | list[dict], params: SamplingConfig) -> list[int]:
+        """A problem's `query` as token ids: text in the run's `sampling.prompt_format`,
+        chat messages always through the chat template."""
+        if params.prompt_format == "chat" or not isinstance(text, str):
             text = self.render_chat(text, params.system_prompt)
         return self.encode(text)
 
-    def encode_prompts(self, texts: list[str], params: SamplingConfig) -> list[list[int]]:
+    def encode_prompts(
+        self, texts: list[str | list[dict]], params: SamplingConfig
+    ) -> list[list[int]]:
         return [self.encode_prompt(t, params) for t in texts]
 
 

@@ -49,7 +49,7 @@ def evaluate(
     sampled: list[float] = []
     for i in range(0, n, chunk):
         part = problems[i : i + chunk]
-        ids = backend.codec.encode_prompts([p.prompt for p in part], params)
+        ids = backend.codec.encode_prompts([p.query for p in part], params)
         rewards += [
             g.rewards[0]
             for g in rollout(backend, task, part, ids, 1, greedy, seed=0, scorer=scorer)

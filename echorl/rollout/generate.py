@@ -49,14 +49,17 @@ def rollout(
     per_problem = [flat[i * group_size : (i + 1) * group_size] for i in range(len(problems))]
     if scorer is not None:
         items = [(p.seed, c) for p, c in zip(problems, per_problem)]
-        scored = [v.rewards for v in scorer.score(items, format_reward)]
+        verdicts = scorer.score(items, format_reward)
+        scored, parts = [v.rewards for v in verdicts], [v.parts for v in verdicts]
     else:
-        scored = [
-            score_group(task, p, c, backend.codec, format_reward)
-            for p, c in zip(problems, per_problem)
-        ]
+        scored, parts = [], []
+        if hasattr(task, "drain_tally"):
+            task.drain_tally()  # what earlier calls left is not these groups'
+        for p, c in zip(problems, per_problem):
+            scored.append(score_group(task, p, c, backend.codec, format_reward))
+            parts.append(task.drain_tally() if hasattr(task, "drain_tally") else None)
     return [
-        _group(job_ids[i], version, ids, per_problem[i], scored[i])
+        _group(job_ids[i], version, ids, per_problem[i], scored[i], parts[i])
         for i, ids in enumerate(prompt_ids)
     ]
 
@@ -166,7 +169,7 @@ def _moves(env: Environment, seeds: list[int], scorer: VerifierPool | None) -> M
     return bounded
 
 
-def _group(job_id, version, prompt_ids, completions, rewards) -> ScoredGroup:
+def _group(job_id, version, prompt_ids, completions, rewards, parts=None) -> ScoredGroup:
     # Built from validated parts: model_construct skips re-checking every token.
     return ScoredGroup.model_construct(
         job_id=job_id,
@@ -175,4 +178,5 @@ def _group(job_id, version, prompt_ids, completions, rewards) -> ScoredGroup:
         completions=completions,
         rewards=rewards,
         gen_seconds=0.0,
+        reward_parts=parts,
     )

@@ -41,7 +41,7 @@ class VerifierSpec:
     @classmethod
     def for_run(cls, cfg: RunConfig, codec: RunTokenizer) -> VerifierSpec:
         v = cfg.verify
-        return cls(cfg.task.name, codec, cfg.task.format_reward, v.time_limit_s, v.memory_mb)
+        return cls(cfg.task.spec, codec, cfg.task.format_reward, v.time_limit_s, v.memory_mb)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class Verdict:
     refused: str | None = None
     observation: str | None = None  # a step's: the environment's answer; None: the game is over
     error: str | None = None  # the traceback of the first exception the verifier raised here
+    parts: dict | None = None  # a dataset task's rewards: name -> (sum, count) over the group
 
 
 def _completion(ids: list[int], turns) -> Completion:
@@ -120,6 +121,8 @@ def serve(conn, clock, spec: VerifierSpec) -> None:
             task.score(task.problem(0), "0")
     except Exception:
         pass
+    if hasattr(task, "drain_tally"):  # that call's values are nobody's
+        task.drain_tally()
     _limit_memory(spec.memory_mb)
     games: OrderedDict = OrderedDict()  # key -> (episode, actions taken): the live games
     conn.send("ready")
@@ -180,6 +183,8 @@ def _score(
         verdict.refused = str(e)
     except MemoryError:
         verdict.refused = "the task's problem could not be made within the memory limit"
+    if hasattr(task, "drain_tally"):  # each reward's values, for its mean in the metrics
+        verdict.parts = task.drain_tally()
     return verdict
 
 

@@ -96,7 +96,7 @@ class Sampler:
         if required is not None and reply.latest_version > required:  # cancelled already
             self.dropped(jobs, 0, required)
             return
-        task = get_task(self.cfg.task.name)
+        task = get_task(self.cfg.task.spec)
         t0 = time.perf_counter()
         groups = rollout(
             self.backend,
@@ -228,7 +228,7 @@ class Sampler:
             hardware=_hardware(),
             backend=self.cfg.sampler.backend,
             tokenizer=self.backend.codec.fingerprint,
-            task=get_task(self.cfg.task.name).name,
+            task=get_task(self.cfg.task.spec).name,
             cost_per_hour=self.cfg.sampler.cost_per_hour,
             peer_url=self.peers.url(self.cfg.sampler.peer_host or reachable_host(self.client.url))
             if self.peers

@@ -1,5 +1,6 @@
 """Tasks: the `Task` protocol and the built-in procedural tasks, by name; also any
-`jsonl:PATH` (math problems from a file), `rg:DATASET` (reasoning-gym), and your own
+`jsonl:PATH` (math problems from a file), `rg:DATASET` (reasoning-gym), your own dataset
+with reward functions (`data:{...}`, from `task.dataset`: tasks/dataset.py), and your own
 task or environment by import path: `my_pkg.my_module:MyTask` or `path/to/file.py:MyTask`.
 
 from echorl.tasks import get_task
@@ -7,10 +8,7 @@ task = get_task("add")
 task = get_task("examples/custom_task.py:SortDigits")
 """
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from echorl.tasks.knights import KnightsKnaves
 from echorl.tasks.math import MathJSONL, WordProblems
 from echorl.tasks.reverse import Reverse
 from echorl.tasks.sokoban import Sokoban, SokobanPlan
+from echorl.userpath import import_path
 
 # Rising difficulty for a tiny model.
 TASKS: dict[str, Task] = {
@@ -62,6 +61,10 @@ def get_task(name: str) -> Task | Environment:
             raise ValueError(f"{name}: no such file")
         task.rows  # noqa: B018  (read and checked now, not at the first prompt)
         return task
+    if name.startswith("data:"):
+        from echorl.tasks.dataset import DatasetSpec, DatasetTask
+
+        return DatasetTask(DatasetSpec.parse(name))
     if name.startswith("rg:"):
         task = ReasoningGym(name.removeprefix("rg:"))
         try:
@@ -90,7 +93,7 @@ def load_user_task(name: str) -> Task | Environment:
     where, _, attr = name.rpartition(":")
     if not where or not attr.isidentifier():
         raise ValueError(f"{name!r}: a user task is module.path:Name or file.py:Name")
-    module = _import(where, name)
+    module = import_path(where, name)
     if not hasattr(module, attr):
         raise ValueError(f"{name!r}: {where} has no attribute {attr!r}")
     obj = getattr(module, attr)
@@ -110,35 +113,6 @@ def load_user_task(name: str) -> Task | Environment:
         f"{name!r}: {type(obj).__name__} is not a Task (it lacks {', '.join(missing)}) "
         "nor an Environment; see echorl/tasks/base.py for both protocols"
     )
-
-
-def _import(where: str, name: str):
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ValueError(f"{name!r}: no such file {where}")
-        key = f"echorl_user_task_{abs(hash(str(path.resolve())))}"
-        if key not in sys.modules:
-            spec = importlib.util.spec_from_file_location(key, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[key] = module
-            try:
-                spec.loader.exec_module(module)
-            except Exception as e:
-                del sys.modules[key]
-                raise ValueError(
-                    f"{name!r}: importing {where} raised {type(e).__name__}: {e}"
-                ) from e
-        return sys.modules[key]
-    # Modules in the working directory are found, as `python -m` finds them.
-    if str(Path.cwd()) not in sys.path:
-        sys.path.append(str(Path.cwd()))
-    try:
-        return importlib.import_module(where)
-    except ImportError as e:
-        raise ValueError(f"{name!r}: cannot import {where} ({e})") from e
-    except Exception as e:  # the user's module failed while importing: that is the reason
-        raise ValueError(f"{name!r}: importing {where} raised {type(e).__name__}: {e}") from e
 
 
 __all__ = [

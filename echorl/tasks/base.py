@@ -36,6 +36,11 @@ class Problem:
     answer: str  # the reference answer (one of possibly many right ones)
     data: dict = field(default_factory=dict, compare=False)
 
+    @property
+    def query(self) -> str | list[dict]:
+        """What the model is asked: the prompt's text, or a dataset's chat messages."""
+        return self.data.get("messages") or self.prompt
+
 
 @runtime_checkable
 class Task(Protocol):
@@ -103,6 +108,10 @@ def is_environment(task: object) -> bool:
 
 
 def is_heldout(problem: Problem) -> bool:
+    """One problem in eight, by its text; a task that splits its own (a dataset's eval file)
+    says so in `problem.data["heldout"]`."""
+    if "heldout" in problem.data:
+        return problem.data["heldout"]
     return zlib.crc32(problem.prompt.encode()) % HELDOUT_BUCKETS == 0
 
 
@@ -147,12 +156,14 @@ def reward(
 
 
 def checked_score(task: Task, problem: Problem, text: str) -> float:
-    """The task's reward, clamped to [0, 1]. Raises what the verifier raises, and ValueError
+    """The task's reward, clamped to [0, 1] (or the task's own `reward_range`). Raises what
+    the verifier raises, and ValueError
     for a score that is not a finite number: the verifier pool counts these as `error`."""
     score = float(task.score(problem, text))
     if not math.isfinite(score):
         raise ValueError(f"task {task.name}: the verifier returned {score!r}")
-    return min(max(score, 0.0), 1.0)
+    low, high = getattr(task, "reward_range", (0.0, 1.0))
+    return min(max(score, low), high)
 
 
 def safe_score(task: Task, problem: Problem, text: str) -> float:

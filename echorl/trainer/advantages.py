@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from echorl.config import AdvantageConfig
+from echorl.userpath import load_callable
 
 
 def grpo_advantages(rewards: torch.Tensor, cfg: AdvantageConfig) -> torch.Tensor:
@@ -44,6 +45,17 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 }
 
 
+def advantage_fn(name: str) -> AdvantageFn:
+    """A built-in advantage, or your own by import path: ValueError says why not."""
+    return ADVANTAGES.get(name) or load_callable(name, "advantage.type")
+
+
 def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig) -> torch.Tensor:
     assert rewards.dim() == 2, f"rewards must be (n_groups, G), got shape {tuple(rewards.shape)}"
-    return ADVANTAGES[cfg.type](rewards, cfg)
+    out = advantage_fn(cfg.type)(rewards, cfg)
+    if not isinstance(out, torch.Tensor) or out.shape != rewards.shape:
+        raise ValueError(
+            f"advantage {cfg.type} returned {getattr(out, 'shape', type(out).__name__)}, "
+            f"not a tensor shaped like the rewards {tuple(rewards.shape)}"
+        )
+    return out

@@ -104,6 +104,7 @@ def collect(
         "broker/groups_dropped_stale": dropped,
         "broker/auditors": reply.auditors,  # alive at the last pull
         "broker/wasted_tokens": reply.wasted_tokens,  # sync's cancelled work, so far
+        "broker/flat_refilled": reply.flat_refilled,  # dynamic sampling's set-aside groups, so far
         # Completions scored 0 because the task's own verifier failed (raised, hung, crashed).
         "verifier/errors": reply.verifier_failures,
         **({"verifier/first_error": reply.verifier_error} if reply.verifier_error else {}),
@@ -184,9 +185,12 @@ class BrokerIO:
         self._send(("publish", version, size))
         self.publishing = version
 
-    def open_log(self, path: Path, keep_through_step: int = 0) -> None:
-        """The run's metrics go to `path` (and TensorBoard), from the helper: MetricsLog."""
-        self._send(("log_open", path, keep_through_step))
+    def open_log(
+        self, path: Path, keep_through_step: int = 0, tracking: tuple[dict, dict] | None = None
+    ) -> None:
+        """The run's metrics go to `path` (and TensorBoard, W&B, MLflow as `tracking` says),
+        from the helper: MetricsLog."""
+        self._send(("log_open", path, keep_through_step, tracking))
 
     def log(self, record: dict, line: str | None = None) -> None:
         """Append `record` to the metrics and print `line`, in the helper."""
@@ -375,8 +379,8 @@ def serve(conn, settings: dict, cpus, stopping) -> None:
         t.start()
     log: list[MetricsLog] = []
 
-    def open_log(path: Path, keep_through_step: int) -> None:
-        log[:] = [MetricsLog(path, keep_through_step, tensorboard=True)]
+    def open_log(path: Path, keep_through_step: int, tracking) -> None:
+        log[:] = [MetricsLog(path, keep_through_step, tensorboard=True, tracking=tracking)]
 
     def write_log(record: dict, line: str | None) -> None:
         log[0].write(record)

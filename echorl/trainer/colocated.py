@@ -19,7 +19,7 @@ from rich.markup import escape
 from transformers import PreTrainedModel
 
 from echorl.config import RunConfig
-from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics
+from echorl.metrics import MetricsLog, plot_reward_curve, read_metrics, tracking
 from echorl.models import load_policy
 from echorl.models.lora import load_for_training, save_policy
 from echorl.progress import steps
@@ -59,7 +59,18 @@ def reward_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
         "reward/accuracy": success(rewards).float().mean().item(),
         "rollout/groups_flat_frac": (rewards.std(dim=1) == 0).float().mean().item(),
         "rollout/completion_tokens_mean": sum(tokens) / len(tokens),
+        **reward_parts(groups),
     }
+
+
+def reward_parts(groups: list[ScoredGroup]) -> dict[str, float]:
+    """A dataset task's reward functions, each one's mean over the batch (`rewards/<name>`)."""
+    sums: dict[str, list[float]] = {}
+    for g in groups:
+        for name, (total, n) in (g.reward_parts or {}).items():
+            kept = sums.setdefault(name, [0.0, 0])
+            kept[0], kept[1] = kept[0] + total, kept[1] + n
+    return {f"rewards/{name}": s / n for name, (s, n) in sums.items() if n}
 
 
 def reference(model_dir: str | Path, cfg: RunConfig) -> PreTrainedModel | None:
@@ -90,19 +101,33 @@ def rl_step(
     scorer: VerifierPool | None = None,
 ) -> dict:
     t0 = time.perf_counter()
-    problems = step_problems(task, cfg, step)
-    groups = rollout(
-        backend,
-        task,
-        problems,
-        backend.codec.encode_prompts([p.prompt for p in problems], cfg.sampling),
-        cfg.train.group_size,
-        cfg.sampling,
-        seed=derive_seed(cfg.train.seed, "sample", step),
-        version=step,
-        format_reward=cfg.task.format_reward,
-        scorer=scorer,
-    )
+    t = cfg.train
+
+    def draw(problems, first=0):  # numbered from `first`: a refill's groups are new ones
+        return rollout(
+            backend,
+            task,
+            problems,
+            backend.codec.encode_prompts([p.query for p in problems], cfg.sampling),
+            t.group_size,
+            cfg.sampling,
+            seed=derive_seed(t.seed, "sample", step, *([first] if first else [])),
+            version=step,
+            format_reward=cfg.task.format_reward,
+            job_ids=list(range(first, first + len(problems))),
+            scorer=scorer,
+        )
+
+    groups, refills = draw(step_problems(task, cfg, step)), 0
+    if t.dynamic_sampling:  # flat groups set aside, fresh prompts drawn in their place
+        cap = round(t.dynamic_sampling_max * t.batch_prompts)
+        while (flat := [g for g in groups if len(set(g.rewards)) == 1]) and refills < cap:
+            n = min(len(flat), cap - refills)
+            dropped = {g.job_id for g in flat[:n]}
+            seed = derive_seed(cfg.task.seed, "refill", step, refills)
+            fresh = draw(take(task, n, seed), t.batch_prompts + refills)
+            groups = [g for g in groups if g.job_id not in dropped] + fresh
+            refills += n
     t1 = time.perf_counter()
     metrics = update_policy(
         backend.model, backend.tokenizer.pad_token_id, opt, sched, groups, cfg, step, ref_model
@@ -113,6 +138,7 @@ def rl_step(
         "step": step,
         **reward_metrics(groups),
         **metrics,
+        **({"rollout/refill_rate": refills / (refills + len(groups))} if refills else {}),
         "perf/gen_s": t1 - t0,
         "perf/gen_tokens_per_s": tokens / (t1 - t0),
         "trainer/step_s": t2 - t1,
@@ -127,7 +153,7 @@ def run_colocated(
     out = Path(cfg.train.out_dir)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
-    task = get_task(cfg.task.name)
+    task = get_task(cfg.task.spec)
     ckpt = latest_checkpoint(out / "checkpoints") if resume else None
     model, tokenizer = load_for_training(
         model_dir, ckpt and ckpt / "policy", cfg.model.lora, cfg.model.device
@@ -143,7 +169,9 @@ def _run(cfg, out, backend, task, ref_model, ckpt, scorer, console) -> RunResult
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim)
     start = load_trainer_state(ckpt, model, opt, sched).step if ckpt else 0
-    log = MetricsLog(out / "metrics.jsonl", keep_through_step=start)
+    log = MetricsLog(
+        out / "metrics.jsonl", start, tensorboard=cfg.metrics.tensorboard, tracking=tracking(cfg)
+    )
     before = None
     if start == 0:
         before = held_out(backend, task, cfg, scorer)

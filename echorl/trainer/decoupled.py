@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from echorl.client import BrokerClient, BrokerError, BrokerRejected
 from echorl.config import RunConfig
-from echorl.metrics import plot_run, read_metrics
+from echorl.metrics import plot_run, read_metrics, tracking
 from echorl.models.loading import load_policy
 from echorl.models.lora import (
     base_state,
@@ -110,7 +110,7 @@ class DecoupledTrainer:
         self.console = console or Console(quiet=not world.leader)
         self.out = Path(cfg.train.out_dir)
         self.model_dir = Path(model_dir)
-        self.task = get_task(cfg.task.name)
+        self.task = get_task(cfg.task.spec)
         self.step = 0
         self.consumed: list[int] = []
         self.gathered: dict[str, torch.Tensor] | None = None  # FSDP2: the last full weights
@@ -153,7 +153,7 @@ class DecoupledTrainer:
             state = load_trainer_state(ckpt, self.model, self.opt, self.sched, world)
             self.step, self.consumed = state.step, list(state.extra["consumed"])
         if world.leader:
-            self.io.open_log(self.out / "metrics.jsonl", keep_through_step=self.step)
+            self.io.open_log(self.out / "metrics.jsonl", self.step, tracking(self.cfg))
             # Evaluation scores in a bounded worker: a verifier that hangs cannot hang the trainer.
             self.scorer = run_pool(self.cfg, RunTokenizer.from_hf(self.tokenizer))
         publish = not resume
@@ -314,6 +314,7 @@ class DecoupledTrainer:
             "trainer/step_s": train_s,  # the update and the audit (trainer/audit_s)
             "trainer/update_s": train_s - metrics.get("trainer/audit_s", 0.0),
             "trainer/ranks": world.size,
+            **refill_rate(wait, self.step * cfg.train.batch_prompts),
             "perf/publish_s": self.io.last_s,  # the last upload that finished
             "perf/publish_bytes": self.io.last_bytes,  # as the samplers download it
             **self.swarm(),
@@ -461,6 +462,12 @@ class DecoupledTrainer:
             f"staleness {record['rollout/staleness_mean']:.2f}  "
             f"idle {record['trainer/idle_s']:.2f}s  train {record['trainer/step_s']:.2f}s",
         )
+
+
+def refill_rate(pulled: dict, consumed: int) -> dict[str, float]:
+    """Dynamic sampling's share of flat groups among those scored for training, so far."""
+    flat = pulled.get("broker/flat_refilled", 0)
+    return {"rollout/refill_rate": flat / (flat + consumed)} if flat else {}
 
 
 def run_trainer(

@@ -32,6 +32,7 @@ class Run:
     """What a cure's command fills in (from the run's config)."""
 
     task: str = "TASK"
+    task_flags: str = "--task TASK"  # what names the task on the command line
     model: str | None = None  # None: the built-in tiny model
     out: str = "OUT"
     group_size: int = 8
@@ -39,8 +40,13 @@ class Run:
 
     @classmethod
     def of(cls, cfg) -> Run:
+        t = cfg.task
+        flags = f"--task {t.name}"
+        if t.dataset:  # rewards in YAML's flow form, quoted for the shell
+            flags = f"-o task.dataset={t.dataset} -o 'task.rewards=[{', '.join(t.rewards)}]'"
         return cls(
-            cfg.task.name,
+            t.dataset or t.name,
+            flags,
             cfg.model.path,
             cfg.train.out_dir,
             cfg.train.group_size,
@@ -54,7 +60,7 @@ class Run:
             warm = f"{self.out}/warmed"
             return (
                 f"the model never scores on {self.task}: warm it up on it first "
-                f"(echorl sft --task {self.task}{model} --out {warm}), then train from it "
+                f"(echorl sft {self.task_flags}{model} --out {warm}), then train from it "
                 f"(-o model.path={warm})"
             )
         if rewards is not None and rewards >= 1.0:

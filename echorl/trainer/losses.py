@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from echorl.config import LossConfig
+from echorl.userpath import load_callable
 
 
 @dataclass
@@ -191,3 +192,8 @@ def cispo_loss(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str
 
 LossFn = Callable[[LossInputs, LossConfig], tuple[torch.Tensor, dict[str, float]]]
 LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
+def loss_fn(name: str) -> LossFn:
+    """A built-in loss, or your own by import path (`file.py:name`): ValueError says why not."""
+    return LOSSES.get(name) or load_callable(name, "loss.type")

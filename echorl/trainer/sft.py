@@ -30,7 +30,7 @@ def demonstration_batches(
     codec = RunTokenizer.from_hf(tokenizer)
     while True:
         problems = [next(stream) for _ in range(cfg.batch_size)]
-        prompts = codec.encode_prompts([p.prompt for p in problems], params)
+        prompts = codec.encode_prompts([p.query for p in problems], params)
         rows = []
         for p, prompt in zip(problems, prompts):
             if is_environment(task):

@@ -23,7 +23,7 @@ from echorl.seeding import derive_seed
 from echorl.trainer.advantages import compute_advantages
 from echorl.trainer.batch import Batch, batch_from_groups, token_logprobs
 from echorl.trainer.distributed import SOLO, World, full_grad_norm
-from echorl.trainer.losses import LOSSES, LossInputs
+from echorl.trainer.losses import LossInputs, loss_fn
 
 
 def build_optimizer(model: PreTrainedModel, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -112,7 +112,7 @@ def train_on_batch(
         )
     if cfg.loss.proximal and one_pass:  # filled from the update's own pass
         old_logp = torch.zeros_like(batch.behaviour_logp)
-    loss_fn = LOSSES[cfg.loss.type]
+    policy_loss = loss_fn(cfg.loss.type)
     gen = torch.Generator().manual_seed(seed)
     sums: dict[str, float] = defaultdict(float)
     steps = skipped = 0
@@ -140,7 +140,7 @@ def train_on_batch(
                 tokens=float(whole.sum()) if world.size > 1 else None,
                 rows=float((whole.sum(1) > 0).sum()) if world.size > 1 else None,
             )
-            loss, metrics = loss_fn(inputs, cfg.loss)
+            loss, metrics = policy_loss(inputs, cfg.loss)
             metrics["policy/entropy"] = inputs.mean(entropy).item()
             optimizer.zero_grad(set_to_none=True)
             (loss * world.size).backward()  # DDP and FSDP2 average the ranks' gradients

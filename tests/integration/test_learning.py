@@ -16,19 +16,26 @@ from tests.integration.conftest import SAMPLED
 MARGIN = 0.08  # held-out sampled pass@1 that RL must add (measured +0.15)
 
 
-# The other losses learn too (120 steps each: the `slow` stage): GSPO's sequence ratio, CISPO's
-# clipped stop-gradient weight.
-LOSSES = ["ppo_clip", pytest.param("gspo", marks=pytest.mark.slow)]
-LOSSES += [pytest.param("cispo", marks=pytest.mark.slow)]
+# The other algorithms learn too (120 steps each: the `slow` stage): GSPO's sequence ratio,
+# CISPO's clipped stop-gradient weight, DAPO's dynamic sampling (flat groups refilled).
+SLOW = pytest.mark.slow
+ALGORITHMS = [
+    pytest.param("loss.type=ppo_clip", id="ppo_clip"),
+    pytest.param("loss.type=gspo", id="gspo", marks=SLOW),
+    pytest.param("loss.type=cispo", id="cispo", marks=SLOW),
+    pytest.param("train.dynamic_sampling=true", id="dynamic_sampling", marks=SLOW),
+    # Your own loss by import path: examples/custom_algorithm.py's REINFORCE.
+    pytest.param("loss.type=examples/custom_algorithm.py:reinforce", id="custom", marks=SLOW),
+]
 
 
-@pytest.mark.parametrize("loss", LOSSES)
-def test_grpo_beats_the_warm_start(tmp_path, warm_add, loss):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_grpo_beats_the_warm_start(tmp_path, warm_add, algorithm):
     cfg = load_config(
         None,
         [
             "task.name=add",
-            f"loss.type={loss}",
+            algorithm,
             f"train.out_dir={tmp_path / 'rl'}",
             "train.eval_prompts=200",
             "train.eval_every=0",  # at both ends only: evaluation draws on no training RNG

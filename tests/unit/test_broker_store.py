@@ -28,7 +28,7 @@ def push(s, sampler_id, g, rewards, now):
     seed = s.push(sampler_id, g, now)
     if seed is None:
         return False
-    assert s.scored([(g.job_id, now, list(rewards))])[:2] == (1, 0)
+    assert s.scored([(g.job_id, now, list(rewards), None)])[:2] == (1, 0)
     return True
 
 
@@ -233,7 +233,11 @@ def test_push_many_stores_each_group_or_says_why_not(s):
     assert s.counts()["rollouts"] == {"scoring": 2}
     assert s.counts()["jobs"] == {"done": 2, "leased": 1}
     # the verdicts: one scored, one refused (its job is queued again, an attempt counted)
-    assert s.scored([(0, 1, [1.0, 0.0]), (2, 1, None), (2, 1, [1.0, 1.0])]) == (1, 1, 1)
+    assert s.scored([(0, 1, [1.0, 0.0], None), (2, 1, None, None), (2, 1, [1.0, 1.0], None)]) == (
+        1,
+        1,
+        1,
+    )
     assert s.counts()["rollouts"] == {"ready": 1}
     assert s.counts()["jobs"] == {"done": 1, "leased": 1, "queued": 1}
     assert s.scoring() == []
@@ -246,8 +250,8 @@ def test_a_verdict_for_a_group_that_is_gone_changes_nothing(s):
     s.push(a, group(s, 0), now=5)
     ((job, created, _, stored),) = s.scoring()
     assert (job, created, stored.rewards) == (0, 5, [CLAIMS, CLAIMS])
-    assert s.scored([(0, 4, [1.0, 1.0])]) == (0, 0, 0)  # an older push's verdict
-    assert s.scored([(0, 5, [1.0, 0.0])]) == (1, 0, 1)  # its sampler's first
+    assert s.scored([(0, 4, [1.0, 1.0], None)]) == (0, 0, 0)  # an older push's verdict
+    assert s.scored([(0, 5, [1.0, 0.0], None)]) == (1, 0, 1)  # its sampler's first
     (pulled,), _ = s.pull(1, now=6, lease_seconds=10, min_version=0)
     assert pulled.rewards == [1.0, 0.0]  # the broker's, never the claims
 
@@ -827,3 +831,40 @@ def test_a_job_the_trainer_waits_for_never_goes_to_a_newcomer_when_it_comes_back
     assert all(s.db.execute(extra, (j.job_id,)).fetchone() == (1,) for j in got)
     (again,) = s.lease(a, 1, 2, 24.0, 10, admit=admit, probation=probation)  # bar over
     assert again.job_id == held.job_id
+
+
+@pytest.mark.parametrize("pin", [True, False], ids=["sync", "async"])
+def test_dynamic_sampling_sets_flat_groups_aside_and_refills_their_place(tmp_path, pin):
+    """DAPO's dynamic sampling at the broker: a flat group (every reward equal) is set aside
+    as scored, never served, and its place in the budget goes to a fresh prompt's job, until
+    the version's `refill_flat` is spent; after that flat groups are served as any."""
+    s = store(tmp_path, refill_flat=2)
+    a = sampler(s, "a")
+    admit = Admission(batch=2, max_staleness=0, pin_version=pin)
+    s.set_latest_version(0)
+    first = s.lease(a, 9, 2, now=0, lease_seconds=10, admit=admit)
+    assert [j.job_id for j in first] == [0, 1]
+    s.push(a, group(s, 0), now=1)
+    s.push(a, group(s, 1), now=1)
+    assert s.scored([(0, 1, [1.0, 0.0], None), (1, 1, [1.0, 1.0], None)]) == (1, 0, 1)
+    assert s.flat_refilled == 1 and s.counts()["rollouts"] == {"ready": 1, "flat": 1}
+    refill = s.lease(a, 9, 2, now=2, lease_seconds=10, admit=admit)
+    assert [j.job_id for j in refill] == [2]  # a fresh prompt in the flat one's place
+    s.push(a, group(s, 2), now=3)
+    assert s.scored([(2, 3, [0.0, 0.0], None)])[:2] == (0, 0)  # flat again: the 2nd set aside
+    (third,) = s.lease(a, 9, 2, now=4, lease_seconds=10, admit=admit)
+    s.push(a, group(s, third.job_id), now=5)
+    assert s.scored([(third.job_id, 5, [0.0, 0.0], None)])[:2] == (1, 0)  # the cap: served
+    pulled, _ = s.pull(9, now=6, lease_seconds=10, version=0 if pin else None)
+    assert sorted(g.job_id for g in pulled) == [0, third.job_id]
+    assert s.lease(a, 9, 2, now=7, lease_seconds=10, admit=admit) == []  # B out: no more
+    again = store(tmp_path, refill_flat=2)  # restarted: the count is kept
+    assert again.flat_refilled == 2
+
+
+def test_without_dynamic_sampling_flat_groups_are_served(s):
+    a = sampler(s, "a")
+    s.set_latest_version(0)
+    (j,) = s.lease(a, 1, 2, now=0, lease_seconds=10)
+    push(s, a, group(s, j.job_id), [1.0, 1.0], now=1)
+    assert s.flat_refilled == 0 and s.counts()["rollouts"] == {"ready": 1}

@@ -154,3 +154,42 @@ def test_cispo_keeps_every_tokens_gradient_and_clips_its_weight_by_hand():
     inp.logp.grad = None
     ppo.backward()
     assert inp.logp.grad[0, 1].item() == 0.0  # the token PPO's clip silences
+
+
+EXAMPLE = "examples/custom_algorithm.py"
+
+
+def test_your_own_loss_and_advantage_by_import_path():
+    """examples/custom_algorithm.py's REINFORCE and rank advantages, by hand: what the trainer
+    calls when loss.type / advantage.type name them."""
+    from echorl.config import load_config
+    from echorl.trainer.advantages import compute_advantages
+    from echorl.trainer.losses import loss_fn
+
+    cfg = load_config(None, [f"loss.type={EXAMPLE}:reinforce", f"advantage.type={EXAMPLE}:rank"])
+    # w = exp(logp - behaviour): 0.5/0.25 = 2 (capped at 1.5), 0.3/0.3 = 1; A = 2; token mean
+    # of -1.5 * 2 and -1 * 2 = -2.5. Gradient of token 1: -(1.5/2) * w * A / 2 = -1.5 d logp.
+    inp = inputs([[L(0.5), L(0.3)]], [[0.0, 0.0]], [[L(0.25), L(0.3)]], [2.0], [[1, 1]])
+    loss, metrics = loss_fn(cfg.loss.type)(inp, LossConfig(is_cap=1.5))
+    assert loss.item() == pytest.approx(-2.5) and metrics["loss/policy"] == pytest.approx(-2.5)
+    loss.backward()
+    assert inp.logp.grad[0].tolist() == pytest.approx([-1.5, -1.0])
+    rewards = torch.tensor([[0.0, 1.0, 1.0, 5.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = compute_advantages(rewards, cfg.advantage)
+    assert adv.flatten().tolist() == pytest.approx([-1.0, 0.0, 0.0, 1.0] + [0.0] * 4)
+
+
+def test_a_bad_loss_or_advantage_is_named(tmp_path):
+    from echorl.config import AdvantageConfig, ConfigError, load_config
+    from echorl.trainer.advantages import compute_advantages
+    from echorl.trainer.losses import loss_fn
+
+    with pytest.raises(ConfigError, match="unknown loss 'ppo': one of ppo_clip, gspo, cispo"):
+        load_config(None, ["loss.type=ppo"])
+    with pytest.raises(ConfigError, match="unknown advantage 'gae'"):
+        load_config(None, ["advantage.type=gae"])
+    with pytest.raises(ValueError, match="loss.type: .* has no function 'nope'"):
+        loss_fn(f"{EXAMPLE}:nope")
+    (tmp_path / "bad.py").write_text("def flat(rewards, cfg):\n    return rewards.mean()\n")
+    with pytest.raises(ValueError, match="not a tensor shaped like the rewards"):
+        compute_advantages(torch.ones(2, 4), AdvantageConfig(type=f"{tmp_path}/bad.py:flat"))

@@ -60,7 +60,14 @@ FLAT = {"rollout/groups_flat_frac": 1.0, "reward/mean": 0.0, "reward/std": 0.0}
 LEARNING = {"rollout/groups_flat_frac": 0.5, "reward/mean": 0.4, "reward/std": 0.5}
 
 
-RUN = Run(task="countdown", model="ckpt/qwen", out="runs/c", group_size=8, temperature=0.7)
+RUN = Run(
+    task="countdown",
+    task_flags="--task countdown",
+    model="ckpt/qwen",
+    out="runs/c",
+    group_size=8,
+    temperature=0.7,
+)
 
 
 def test_three_flat_steps_warn_with_this_runs_command_and_a_step_with_signal_ends_the_streak():
