@@ -1,7 +1,7 @@
 """The sampler's engines side by side: generation speed, weight swaps, bytes on the wire and
 log-prob mismatch against the trainer, per backend and tiny-model preset.
 
-    .venv-engines/bin/python bench/engines.py            # hf and vllm (README: Real engines)
+    .venv-engines/bin/python bench/engines.py            # hf and vllm (docs/how-to/real-engines.md)
     python bench/engines.py --presets 1m              # hf alone where vLLM is not installed
 
 For each preset (random weights: completions run to `--new-tokens`):
@@ -137,7 +137,7 @@ def main() -> None:
         try:
             import vllm  # noqa: F401
         except ImportError:
-            console.print("vLLM is not installed here: hf only (README: Real engines)")
+            console.print("vLLM is not installed here: hf only (docs/how-to/real-engines.md)")
             backends.remove("vllm")
     rows, sizes = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in one go, on a machine with an NVIDIA GPU and PyTorch (README: On a GPU):
+# The GPU checks, in one go, on a machine with an NVIDIA GPU and PyTorch (docs/benchmarks.md: On a GPU):
 #   1. the trainer's step on the 50m preset, the policy alone and as a one-rank FSDP2 world
 #      (torchrun, NCCL), 16 x 8 completions of 64 tokens;
 #   2. the samplers' engines on the GPU: tokens/s, weight and adapter swaps, log-prob

@@ -522,7 +522,7 @@ def _sampler_backend(cfg: RunConfig):
         except ImportError as e:
             console.print(
                 f"[red]sampler.backend = vllm:[/red] vLLM is not installed here ({e}); "
-                "see the README's Real engines for its install"
+                "see docs/how-to/real-engines.md for its install"
             )
             raise typer.Exit(2) from None
         except EngineRefused as e:
@@ -556,7 +556,7 @@ def auditor(
     override: list[str] = OVERRIDE,
 ) -> None:
     """Run an auditor: check consumed groups' log-probs under their own version's weights,
-    so that the trainer need not (README: Trust)."""
+    so that the trainer need not (docs/concepts/trust.md)."""
     import tempfile
 
     cfg = _config(config, override, **{"model.path": model, "model.device": device})
@@ -868,7 +868,7 @@ def status(
         )
     console.print(table)
     held_back = [s for s in st.samplers if s.state == "alive" and s.standing.startswith("new")]
-    if held_back:  # README: Trust (standing)
+    if held_back:  # docs/concepts/trust.md (standing)
         console.print(
             f"held back, not yet proven by the trainer's audit ({len(held_back)}; their jobs "
             "come beyond the trainer's budget, their groups are scored after proven ones):"
@@ -877,7 +877,7 @@ def status(
             console.print(Text(f"  {s.id} {printable(s.name)}: {s.standing}"))
     audited = [s for s in st.samplers if s.audited_tokens]
     if audited:  # each sampler's log-probs against the trainer's, on its consumed tokens
-        table = Table(title="log-prob mismatch (trainer's audit; README: Trust)")
+        table = Table(title="log-prob mismatch (trainer's audit; docs/concepts/trust.md)")
         for col in ("id", "tokens", "mean |Δ logp|", "KL", "beyond tolerance"):
             table.add_column(col, no_wrap=col == "id")
         for s in audited:

@@ -26,7 +26,7 @@ class _Section(BaseModel):
 
 class LoraSettings(_Section):
     """Low-rank adapters (peft): the trainer trains only them, and each version after v0 is
-    the adapter alone, applied by the samplers on v0's weights (README: LoRA)."""
+    the adapter alone, applied by the samplers on v0's weights (docs/how-to/lora.md)."""
 
     rank: int = Field(0, ge=0, le=512, description="adapter rank r; 0 = off (full weights)")
     alpha: float = Field(
@@ -254,7 +254,7 @@ class OptimConfig(_Section):
         3e-5,
         gt=0.0,
         le=1.0,
-        description="AdamW learning rate (3e-4 collapses the 1m tiny model; see README)",
+        description="AdamW learning rate (3e-4 collapses the 1m tiny model; see docs/benchmarks.md)",
     )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -536,7 +536,7 @@ class QuarantineConfig(_Section):
     proximal policy) against the sampler's behaviour log-probs. A sampler whose tokens
     disagree far beyond what honest samplers show (fake log-probs, other weights, made-up
     completions) is quarantined: no more leases, its unconsumed groups dropped.
-    Defaults from measurement (README: Trust)."""
+    Defaults from measurement (docs/concepts/trust.md)."""
 
     enabled: bool = Field(True, description="audit consumed groups and quarantine on the bounds")
     exact_stale: bool = Field(
@@ -592,7 +592,7 @@ class SamplerConfig(_Section):
         "hf",
         description="generation engine: hf (transformers, CPU/CUDA/MPS), vllm (a vLLM "
         "engine in the sampler's process; installed apart) or openai (a vLLM OpenAI-"
-        "compatible server at sampler.endpoint); README: Real engines",
+        "compatible server at sampler.endpoint); docs/how-to/real-engines.md",
     )
     endpoint: str | None = Field(
         None, description="the openai backend's server, e.g. http://127.0.0.1:8300"
@@ -693,7 +693,7 @@ class LaunchConfig(_Section):
         ge=0,
         le=64,
         description="auditor processes to start (`echorl auditor`): they audit the groups "
-        "whose check needs a forward pass of its own, in the trainer's place (README: Trust)",
+        "whose check needs a forward pass of its own, in the trainer's place (docs/concepts/trust.md)",
     )
     trainer_threads: int = Field(
         1, ge=1, le=256, description="torch threads of the trainer (of each of its ranks)"

@@ -97,16 +97,19 @@ State = Depends(state)
 
 @router.get("/healthz")
 async def healthz() -> dict:  # async: answered on the loop, never queued for a thread
+    """Liveness: answered on the event loop, never queued behind work."""
     return {"ok": True}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(st: BrokerState = State) -> str:
+    """Prometheus metrics (text format)."""
     return generate_latest(st.metrics.registry).decode()
 
 
 @router.get("/v1/run", dependencies=[ANYONE])
 def run_info(st: BrokerState = State) -> RunInfo:
+    """The run a sampler joins: task, tokenizer fingerprint, mode, group size, latest version."""
     return st.run_info()
 
 
@@ -117,6 +120,7 @@ def run_info(st: BrokerState = State) -> RunInfo:
 async def register(
     info: SamplerInfo, request: Request, caller: Caller = ENROL, st: BrokerState = State
 ) -> RegisterReply:
+    """A sampler joins (with its enrolment token): its id and secret, and the run's settings."""
     st.check_peer("sampler", info.tokenizer, info.task)
     address = request.client.host if request.client else ""
     if info.peer_url:
@@ -162,6 +166,7 @@ async def heartbeat(
     caller: Caller = SAMPLER,
     st: BrokerState = State,
 ) -> HeartbeatReply:
+    """A sampler is alive; the reply says the latest version (and where to fetch it)."""
     caller.acts_as(sampler_id)
     now = time.time()
     held, foreign = body.version_held, st.foreign(body)
@@ -175,6 +180,7 @@ async def heartbeat(
 async def leave(
     sampler_id: str = SamplerId, caller: Caller = SAMPLER, st: BrokerState = State
 ) -> LeaveReply:
+    """A sampler leaves: its leases go back to the queue at once."""
     caller.acts_as(sampler_id)
     returned = await st.write(st.store.leave, sampler_id)
     st.auth.forget(sampler_id)
@@ -210,6 +216,7 @@ def revoke(sampler_id: str = SamplerId, st: BrokerState = State) -> RevokeReply:
 async def lease(
     body: LeaseRequest, caller: Caller = SAMPLER, st: BrokerState = State
 ) -> LeaseReply:
+    """Jobs (prompts to answer G times) for a sampler, within the protocol's budget and its standing."""
     caller.acts_as(body.sampler_id)
     b, g = st.cfg.broker, st.cfg.train.group_size
     max_held = b.max_leased_per_sampler or st.cfg.train.batch_prompts
@@ -301,6 +308,7 @@ def hello(body: TrainerHello, st: BrokerState = State) -> RunInfo:
 
 @router.post("/v1/batches/pull", dependencies=[TRAINER], response_model=PullReply)
 async def pull(body: PullRequest, st: BrokerState = State) -> Response:
+    """The trainer's batch: up to n scored groups within the staleness bound (a long poll)."""
     b, batch = st.cfg.broker, st.cfg.train.batch_prompts
     if body.n > batch:
         raise ProtocolError(
@@ -340,6 +348,7 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
 
 @router.post("/v1/batches/ack", dependencies=[TRAINER])
 async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
+    """The trainer consumed these groups at this step: they are never served again."""
     consumed = await st.for_trainer(st.store.ack, body.job_ids, body.step)
     if consumed and body.train_s is not None and body.tokens is not None:
         st.pace.step(body.train_s, body.tokens, time.time())
@@ -377,6 +386,7 @@ async def lease_audits(body: AuditLeaseRequest, st: BrokerState = State) -> Resp
 
 @router.post("/v1/trainer/rewind", dependencies=[TRAINER])
 def rewind(body: RewindRequest, st: BrokerState = State) -> RewindReply:
+    """A resumed trainer forgets the versions and groups after its checkpoint."""
     keep = body.step if st.weights.has(body.step) else body.step - 1
     reply = RewindReply(**st.store.rewind(body.step, set(body.consumed), keep))
     st.weights.forget_after(reply.latest_version)
@@ -391,6 +401,7 @@ def rewind(body: RewindRequest, st: BrokerState = State) -> RewindReply:
 async def publish(
     request: Request, version: int = Version, st: BrokerState = State
 ) -> WeightVersion:
+    """The trainer uploads version v's weights (safetensors, streamed; sha256 checked)."""
     sha256 = request.headers.get("x-sha256", "")
     if len(sha256) != 64:
         raise BadRequest("header X-Sha256 with the upload's hex sha256 is required")
@@ -423,6 +434,7 @@ async def publish(
 
 @router.get("/v1/weights/latest", dependencies=[SAMPLER])
 def latest_weights(st: BrokerState = State) -> WeightVersion:
+    """The latest version's metadata (number, sha256, size, LoRA)."""
     version = st.store.latest_version()
     if version < 0:
         raise NotFound("no version published yet")
@@ -431,6 +443,7 @@ def latest_weights(st: BrokerState = State) -> WeightVersion:
 
 @router.get("/v1/versions/{version}", dependencies=[SAMPLER])
 def describe(version: int = Version, st: BrokerState = State) -> WeightVersion:
+    """One version's metadata."""
     return st.weights.describe(version)
 
 
@@ -456,6 +469,7 @@ def download_delta(version: int = Version, st: BrokerState = State) -> FileRespo
 
 @router.get("/v1/weights/{version}", dependencies=[SAMPLER])
 def download(version: int = Version, st: BrokerState = State) -> FileResponse:
+    """A version's weights (safetensors; HTTP ranges resume a cut download)."""
     info = st.weights.describe(version)
     return WeightsResponse(
         st.weights.file(version),

@@ -33,7 +33,7 @@ RETRY = (
 @dataclass(frozen=True)
 class Quarantine:
     """When the trainer's log-probs of a sampler's tokens disagree with the sampler's own
-    beyond what honest samplers show (README: Trust, for the measurements)."""
+    beyond what honest samplers show (docs/concepts/trust.md, for the measurements)."""
 
     min_tokens: int  # audited tokens (all of them) before any verdict
     max_mean_abs: float  # mean |trainer - sampler| per token

