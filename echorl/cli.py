@@ -317,9 +317,10 @@ def evaluate_cmd(
     from echorl.trainer.colocated import held_out
 
     backend = HFBackend(*load_policy(cfg.model.path, cfg.model.device))
+    task = get_task(cfg.task.spec)
     with run_pool(cfg, backend.codec) as scorer:
-        result = held_out(backend, get_task(cfg.task.spec), cfg, scorer)
-    shown = f"{cfg.task.name}: held-out greedy accuracy {result.accuracy:.3f}"
+        result = held_out(backend, task, cfg, scorer)
+    shown = f"{task.name}: held-out greedy accuracy {result.accuracy:.3f}"
     if result.pass1 is not None:
         shown += f", sampled pass@1 {result.pass1:.3f} ({result.samples} per problem)"
     console.print(shown + f" (n={result.n})")
