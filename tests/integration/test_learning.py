@@ -13,12 +13,14 @@ from echorl.metrics import read_metrics
 from echorl.trainer.colocated import run_colocated
 from tests.integration.conftest import SAMPLED
 
-MARGIN = 0.08  # held-out sampled pass@1 that RL must add (measured +0.15)
+MARGIN = 0.08  # held-out sampled pass@1 that RL must add (2026-12-07: 0.682 -> 0.800 ppo_clip,
+# 0.784 gspo, 0.792 cispo, 0.804 dynamic sampling, 0.792 the example's REINFORCE)
 
 
-# The other algorithms learn too (120 steps each: the `slow` stage): GSPO's sequence ratio,
-# CISPO's clipped stop-gradient weight, DAPO's dynamic sampling (flat groups refilled).
-SLOW = pytest.mark.slow
+# The other algorithms learn too (120 steps each, ~20 s: CI's `long` stage): GSPO's sequence
+# ratio, CISPO's clipped stop-gradient weight, DAPO's dynamic sampling (flat groups refilled),
+# your own loss by import path.
+SLOW = pytest.mark.long
 ALGORITHMS = [
     pytest.param("loss.type=ppo_clip", id="ppo_clip"),
     pytest.param("loss.type=gspo", id="gspo", marks=SLOW),
@@ -43,6 +45,7 @@ def test_grpo_beats_the_warm_start(tmp_path, warm_add, algorithm):
         ],
     )
     result = run_colocated(cfg, warm_add)
+    print(f"{algorithm}: pass@1 {result.before.pass1:.3f} -> {result.after.pass1:.3f}")
 
     assert 0.05 < result.before.accuracy < 0.95, "warm-up must leave room for RL"
     assert result.after.pass1 >= result.before.pass1 + MARGIN, (result.before, result.after)
