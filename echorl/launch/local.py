@@ -283,6 +283,16 @@ def launch(
     (out / "logs").mkdir(parents=True, exist_ok=True)
     port = free_port(previous_port(out) if resume else cfg.broker.port)
     config = resolved_config(cfg, out, model_dir, port)
+    resumed_at, marker = 0, out / "checkpoints" / "LATEST"  # trainer/checkpoint.py's, read
+    if resume and marker.is_file():  # without torch
+        ckpt = marker.parent / marker.read_text().strip()
+        resumed_at = int(ckpt.name.removeprefix("step_"))
+        console.print(
+            f"resuming from {ckpt} (step {resumed_at} of {cfg.train.steps}): the steps after "
+            "it are trained again, none twice",
+            soft_wrap=True,  # a path: copyable
+            markup=False,
+        )
     env = os.environ | {
         "ECHORL_TRAINER_TOKEN": secrets.token_hex(16),
         "ECHORL_SAMPLER_TOKEN": secrets.token_hex(16),
@@ -351,7 +361,7 @@ def launch(
             cpus=trainer_cores,
             ranks=trainer_ranks(cfg),
         )
-        code = watch(swarm, cfg, console, stop)
+        code = watch(swarm, cfg, console, stop, quiet_through=resumed_at)
         keep_capacity(swarm)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the swarm (the trainer checkpoints first)")
@@ -379,13 +389,16 @@ def keep_capacity(swarm: Swarm) -> None:
         (swarm.out / "capacity.json").write_text(json.dumps(st["capacity"], indent=1))
 
 
-def watch(swarm: Swarm, cfg: RunConfig, console: Console, stop: list) -> int:
+def watch(
+    swarm: Swarm, cfg: RunConfig, console: Console, stop: list, quiet_through: int = 0
+) -> int:
     """Show the view (`shown`) and supervise the children until the trainer finishes (0).
     A child that dies is started again after a backoff (the trainer with --resume); one
     that dies `launch.max_restarts` times, a trainer that gave up (every group flat: its
     last metrics record says why), or a run with no progress for `launch.stall_timeout_s`,
-    ends the run with the reason (1). The view's warnings (flat steps) are printed."""
-    view = LiveView(swarm, cfg)
+    ends the run with the reason (1). The view's warnings (flat steps) are printed, but for
+    steps up to `quiet_through` (a resumed run's earlier sessions: said then)."""
+    view = LiveView(swarm, cfg, quiet_through)
     with shown(console, view) as show:
         while True:
             if stop:
@@ -491,8 +504,8 @@ class LiveView:
 
     STATUS_EVERY_S = 2.0
 
-    def __init__(self, swarm: Swarm, cfg: RunConfig):
-        self.swarm, self.cfg = swarm, cfg
+    def __init__(self, swarm: Swarm, cfg: RunConfig, quiet_through: int = 0):
+        self.swarm, self.cfg, self.quiet_through = swarm, cfg, quiet_through
         self.tail = MetricsTail(swarm.out / "metrics.jsonl")
         self.last: dict = {}
         self.recent: deque[float] = deque(maxlen=10)  # the last 10 steps' rewards
@@ -549,7 +562,7 @@ class LiveView:
             return
         self.last, self.gave_up = record, None  # a step after it: the trainer went on
         self.recent.append(record["reward/mean"])
-        if warning := self.flat.see(record):
+        if (warning := self.flat.see(record)) and record["step"] > self.quiet_through:
             self.warnings.append(f"step {record['step']}: {warning}")
 
     def take_warnings(self) -> list[str]:

@@ -190,7 +190,8 @@ def test_a_run_resumed_without_its_flags_is_the_same_run(tmp_path, warm_add):
     first += [f"model.path={warm_add}", "train.eval_prompts=8", "train.eval_every=0"]
     echorl_run(out, *first)
     config = yaml.safe_load((out / "config.yaml").read_text())
-    echorl_run(out, "train.steps=8", resume=True)
+    shown = echorl_run(out, "train.steps=8", resume=True)
+    assert f"resuming from {out / 'checkpoints' / 'step_0000004'} (step 4 of 8)" in shown
     train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in train] == list(range(1, 9))
     assert not (out / "sft").exists()  # no warm-up: the run's model
