@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from echorl.config import ConfigError, RunConfig, load_config, resume_config
+from echorl.config import ConfigError, RunConfig, load_config, resume_config, save_config
 from echorl.protocol import printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -616,7 +616,9 @@ def trainer(
 ) -> None:
     """Run the trainer against a broker: pull, update, ack, publish the next version.
     SIGTERM checkpoints and exits; --resume continues exactly."""
-    cfg = _config(config, override, **{"train.out_dir": out, "model.path": model})
+    fields = {"train.out_dir": out, "model.path": model}
+    cfg = _config(config, override, **fields)
+    cfg = _resumable(cfg, config, override, fields, resume, keep=True)
     _model_path(cfg)
     _own_code(cfg)
     cpus, url = _cpu_set(io_cpus), _broker_url(broker_url, cfg)
@@ -696,14 +698,33 @@ def run(
 
 
 def _swarm_config(path: Path | None, out: str | None, override: list[str], resume: bool):
-    """The run's config; resumed, the one its folder's `config.yaml` holds, with the file and
-    flags given over it (refused, before anything is written, where they change what the run
-    is: `config.resume_config`)."""
-    cfg = _config(path, override, **{"train.out_dir": out})
+    """The run's config; resumed, the one its folder's `config.yaml` holds (`_resumable`)."""
+    fields = {"train.out_dir": out}
+    return _resumable(_config(path, override, **fields), path, override, fields, resume)
+
+
+def _resumable(
+    cfg: RunConfig,
+    path: Path | None,
+    override: list[str] | None,
+    fields: dict,
+    resume: bool,
+    keep: bool = False,
+) -> RunConfig:
+    """Resumed, the run's own config: its folder's `config.yaml` with the file and flags given
+    over it (refused, before anything is written, where they change what the run is:
+    `config.resume_config`). `keep`: a fresh start writes that file (the trainer by hand;
+    `echorl run` writes its own, and starts its trainer on it)."""
     saved = Path(cfg.train.out_dir) / "config.yaml"
-    if not resume or not saved.is_file():
+    if path is not None and saved.is_file() and path.resolve() == saved.resolve():
+        return cfg  # the run's own file already
+    if not resume:
+        if keep:
+            save_config(cfg, saved)
         return cfg
-    extra = [f"train.out_dir={out}"] if out else []
+    if not saved.is_file():
+        return cfg
+    extra = [f"{k}={v}" for k, v in fields.items() if v is not None]
     try:
         return resume_config(saved, path, [*extra, *(override or [])])
     except ConfigError as e:

@@ -875,6 +875,17 @@ RUN_IDENTITY = (
 )
 
 
+def save_config(cfg: RunConfig, path: Path) -> None:
+    """`cfg` as the run's `config.yaml` (what `--resume` reads back), without its tokens (they
+    come from the environment); written whole or not at all."""
+    data = cfg.model_dump(mode="json")
+    data["broker"] |= {"trainer_token": None, "sampler_token": None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+
+
 def resume_config(
     saved: Path, path: str | Path | None, overrides: list[str] | None = None
 ) -> RunConfig:

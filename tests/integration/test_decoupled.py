@@ -210,3 +210,52 @@ def test_a_run_resumed_without_its_flags_is_the_same_run(tmp_path, warm_add):
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "broker.mode: 'async'" in refused.stdout and "another --out" in refused.stdout
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written
+
+
+def test_a_trainer_by_hand_resumes_from_its_own_config(tmp_path):
+    """`echorl trainer` started by hand writes OUT/config.yaml; `--resume` with no -c takes
+    it (flags given apply over it) and refuses, before anything is written, a flag that
+    would make it another run."""
+    from echorl.models.tiny import save_tiny_model
+    from tests.integration.conftest import (
+        TRAINER,
+        free_port,
+        start_broker,
+        start_sampler,
+        start_trainer,
+        stop_broker,
+    )
+
+    model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
+    run = ["-o", "train.batch_prompts=4", "-o", "sampling.max_new_tokens=4"]
+    run += ["-o", "train.eval_prompts=4", "-o", "broker.mode=async"]
+    proc, url = start_broker(tmp_path / "b", free_port(), *run)
+    sampler = start_sampler(url, model, "s0", *run)
+    out = tmp_path / "out"
+    try:
+        first = start_trainer(url, model, out, *run, "-o", "train.steps=3")
+        assert first.wait(300) == 0, first.stdout.read()
+        saved = yaml.safe_load((out / "config.yaml").read_text())
+        assert saved["train"]["batch_prompts"] == 4 and saved["broker"]["trainer_token"] is None
+        env = os.environ | {"ECHORL_TRAINER_TOKEN": TRAINER}
+        trainer = [sys.executable, "-m", "echorl.cli", "trainer", "--broker", url, "--out", str(out)]
+        refused = subprocess.run(
+            [*trainer, "--resume", "-o", "train.batch_prompts=8"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        said = " ".join(refused.stdout.split())  # as wrapped for the terminal
+        assert "train.batch_prompts: 4 in" in said and ", 8 asked" in said, said
+        resumed = subprocess.run(
+            [*trainer, "--resume", "-o", "train.steps=5"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+        assert steps == [1, 2, 3, 4, 5]
+        consumed = query(tmp_path / "b", "SELECT consumed_step FROM rollouts WHERE state = 'consumed'")
+        assert Counter(s for (s,) in consumed) == {s: 4 for s in range(5)}  # none twice
+    finally:
+        sampler.terminate()
+        sampler.communicate(timeout=60)
+        stop_broker(proc)
