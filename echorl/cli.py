@@ -847,9 +847,13 @@ def status(
         None, "--run", help="an `echorl run` folder: its broker's URL and token (access.json)"
     ),
     limit: int = typer.Option(20, "--limit", min=0, help="samplers listed (alive first)"),
+    watch: float = typer.Option(
+        0.0, "--watch", min=0.0, help="refresh in place every this many seconds (0: once)"
+    ),
 ) -> None:
-    """Print a broker's samplers (counted by state; the most relevant listed), versions,
-    jobs, replay buffer and verifier failures."""
+    """Print a broker's samplers (counted by state; the most relevant listed, each with its
+    account: pushed, consumed, stale, refused, lapsed, held), what their accounts say with
+    the cure, versions, jobs, replay buffer and verifier failures."""
     if run is not None:
         from echorl.launch.local import read_access
 
@@ -860,10 +864,29 @@ def status(
             raise typer.Exit(2) from None
         broker_url, token = broker_url or access["url"], token or access["trainer_token"]
     broker_url = broker_url or "http://127.0.0.1:8000"
-    st = _admin_call(broker_url, token, lambda client: client.status(limit))
-    console.print(f"mode [bold]{st.mode}[/bold]   latest version [bold]{st.latest_version}[/bold]")
-    counts = ", ".join(f"{n} {state}" for state, n in sorted(st.sampler_counts.items()))
-    console.print(f"samplers: {counts or 'none'}")
+    ask = lambda: _admin_call(broker_url, token, lambda client: client.status(limit))  # noqa: E731
+    if not watch:
+        for part in _status_view(ask()):
+            console.print(part)
+        return
+    from rich.console import Group
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False) as live:
+        while True:
+            live.update(Group(*_status_view(ask())), refresh=True)
+            time.sleep(watch)
+
+
+def _status_view(st) -> list:
+    """`echorl status`'s picture of a StatusReply, as rich renderables."""
+    from echorl.accounts import holding, warnings
+
+    out: list = [
+        f"mode [bold]{st.mode}[/bold]   latest version [bold]{st.latest_version}[/bold]",
+        "samplers: "
+        + (", ".join(f"{n} {state}" for state, n in sorted(st.sampler_counts.items())) or "none"),
+    ]
     table = Table(title=f"samplers ({len(st.samplers)} of {sum(st.sampler_counts.values())})")
     table.add_column("id", no_wrap=True, min_width=16)  # whole: `echorl samplers revoke ID`
     for col in (
@@ -872,8 +895,15 @@ def status(
         "backend",
         "version held",
         "tokens/s",
+        "fetch s",
         "last seen (s ago)",
         "state",
+        "pushed",
+        "consumed",
+        "stale",
+        "refused",
+        "lapsed",
+        "holds",
     ):
         table.add_column(col)
     now = time.time()
@@ -885,18 +915,28 @@ def status(
             Text(s.backend),
             str(s.version_held),
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
+            "-" if s.fetch_s is None else f"{s.fetch_s:.2f}",
             f"{now - s.last_seen:.0f}",
             s.state,
+            str(s.pushed),
+            str(s.consumed),
+            str(s.stale),
+            str(s.refused),
+            str(s.lapsed),
+            str(s.leased),
         )
-    console.print(table)
+    out.append(table)
+    for line in warnings(st):
+        out.append(Text(line, style="yellow"))
+    if held := holding(st, now):
+        out.append(Text("holding jobs now: " + "; ".join(held)))
     held_back = [s for s in st.samplers if s.state == "alive" and s.standing.startswith("new")]
     if held_back:  # docs/concepts/trust.md (standing)
-        console.print(
+        out.append(
             f"held back, not yet proven by the trainer's audit ({len(held_back)}; their jobs "
             "come beyond the trainer's budget, their groups are scored after proven ones):"
         )
-        for s in held_back:
-            console.print(Text(f"  {s.id} {printable(s.name)}: {s.standing}"))
+        out += [Text(f"  {s.id} {printable(s.name)}: {s.standing}") for s in held_back]
     audited = [s for s in st.samplers if s.audited_tokens]
     if audited:  # each sampler's log-probs against the trainer's, on its consumed tokens
         table = Table(title="log-prob mismatch (trainer's audit; docs/concepts/trust.md)")
@@ -910,7 +950,7 @@ def status(
                 f"{s.logprob_kl:+.4f}",
                 f"{s.logprob_beyond:.1%}",
             )
-        console.print(table)
+        out.append(table)
     for key, counts in (
         ("jobs", st.jobs),
         ("rollouts", st.rollouts),
@@ -920,18 +960,16 @@ def status(
         ("wasted (sync's cancelled work)", st.wasted),
         ("weights fetched from", st.weight_sources),
     ):
-        console.print(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
+        out.append(f"{key}: " + (", ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
     if st.capacity:
         from echorl.broker.capacity import describe
 
-        for line in describe(st.capacity):
-            console.print(line, markup=False)
-    console.print(f"auditors alive: {st.auditors}")
-    console.print(f"verifier busy: {st.verifier_busy:.0%}")
+        out += [Text(line) for line in describe(st.capacity)]
+    out.append(f"auditors alive: {st.auditors}")
+    out.append(f"verifier busy: {st.verifier_busy:.0%}")
     if st.verifier_error:
-        console.print(
-            f"[yellow]the verifier's first exception:[/yellow] {escape(st.verifier_error)}"
-        )
+        out.append(f"[yellow]the verifier's first exception:[/yellow] {escape(st.verifier_error)}")
+    return out
 
 
 samplers_app = typer.Typer(no_args_is_help=True, help="Manage a broker's samplers (admin).")

@@ -392,6 +392,14 @@ class BrokerConfig(_Section):
     sampler_timeout: float = Field(
         60.0, gt=0.0, le=86400.0, description="silence after which a sampler is lost"
     )
+    lease_silence_s: float = Field(
+        6.0,
+        ge=1.0,
+        le=86400.0,
+        description="a sampler holding a lease and silent this long (killed, its cable pulled) "
+        "has its leases returned at once, as a lapse; it beats every third of this (or of "
+        "sampler_timeout) while it works one",
+    )
     max_attempts: int = Field(5, ge=1, le=1000, description="leases before a job is parked")
     max_samplers: int = Field(
         256, ge=1, le=1_000_000, description="samplers registered and alive at once (429 beyond)"

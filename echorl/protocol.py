@@ -444,6 +444,12 @@ class OperatorReply(_Wire):
     token: str = Field(description="the operator's enrolment token: shown once, kept as sha256")
 
 
+class LostRequest(_Wire):
+    """A supervisor's word that its sampler process `name` died."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+
+
 class RevokeReply(_Wire):
     returned: int  # leased jobs handed back to the queue
 
@@ -480,6 +486,20 @@ class SamplerStatus(_Wire):
     # What the broker trusts it with (broker/standing.py), and why: "proven", or "newcomer:
     # 40 of 128 tokens audited" (its jobs beyond the budget, its groups scored after proven ones).
     standing: str = ""
+    # Its account (broker/swarm.py ACCOUNT): groups pushed and their completion tokens; of
+    # them consumed (and tokens), dropped stale, refused, set aside flat; jobs taken back from
+    # it (sync's cancelled work), leases it let lapse; jobs it holds now.
+    pushed: int = 0
+    pushed_tokens: int = 0
+    consumed: int = 0
+    consumed_tokens: int = 0
+    stale: int = 0
+    refused: int = 0
+    flat: int = 0
+    cancelled: int = 0
+    lapsed: int = 0
+    leased: int = 0
+    fetch_s: float | None = None  # a version's download and load, the median of its last ones
 
 
 class Capacity(_Wire):

@@ -64,7 +64,9 @@ async def expire_forever(st: BrokerState) -> None:
         await asyncio.sleep(1.0)
         b = st.cfg.broker
         expire = st.store.expire
-        returned, _ = await st.write(expire, time.time(), b.sampler_timeout, b.lease_seconds)
+        returned, _ = await st.write(
+            expire, time.time(), b.sampler_timeout, b.lease_seconds, b.lease_silence_s
+        )
         if returned:
             st.jobs_bell.ring()
         for sampler_id in await st.write(st.store.prune, time.time(), b.sampler_retention_s):

@@ -61,6 +61,12 @@ class Pace:
             for old in [v for v in self.fetch_s if v <= version - VERSIONS_KEPT]:
                 del self.fetch_s[old]
 
+    def fetch_of(self, who: str) -> float | None:
+        """Sampler `who`'s fetch and load of a version, the median of its recent ones."""
+        with self.lock:
+            told = [by[who] for by in self.fetch_s.values() if who in by]
+        return statistics.median(told) if told else None
+
     def dissemination_s(self) -> float | None:
         """A version's way to a sampler: the median sampler's fetch and load (one sampler's
         word cannot move it), averaged over the recent versions."""

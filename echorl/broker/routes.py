@@ -48,6 +48,7 @@ from echorl.protocol import (
     LeaseReply,
     LeaseRequest,
     LeaveReply,
+    LostRequest,
     NotFound,
     OperatorReply,
     OperatorRequest,
@@ -104,6 +105,9 @@ async def healthz() -> dict:  # async: answered on the loop, never queued for a 
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(st: BrokerState = State) -> str:
     """Prometheus metrics (text format)."""
+    counts = st.store.sampler_counts()
+    for state in ("alive", "lost", "left", "revoked", "quarantined"):
+        st.metrics.samplers.labels(state).set(counts.get(state, 0))
     return generate_latest(st.metrics.registry).decode()
 
 
@@ -149,7 +153,7 @@ async def register(
     return RegisterReply(
         sampler_id=sampler_id,
         credential=credential,
-        heartbeat_s=b.sampler_timeout / 3,
+        heartbeat_s=min(b.sampler_timeout, b.lease_silence_s) / 3,
         max_body_bytes=b.max_body_bytes,
         peer_secret=st.fanout.join(sampler_id, info.peer_url) if info.peer_url else None,
     )
@@ -173,6 +177,8 @@ async def heartbeat(
     await st.write(st.store.heartbeat, sampler_id, now, held, foreign)
     if not foreign and st.standing.trusted(sampler_id):  # one unproven word moves nothing
         st.pace.fetched(body.version_held, body.fetch_s, sampler_id)
+        if body.fetch_s is not None:
+            st.metrics.dissemination.observe(body.fetch_s)
     return HeartbeatReply(latest_version=st.store.latest_version())
 
 
@@ -199,6 +205,17 @@ def enrol(body: OperatorRequest, st: BrokerState = State) -> OperatorReply:
     st.auth.operators[secret] = body.name
     log.info("operator %s enrolled", body.name)
     return OperatorReply(name=body.name, token=token)
+
+
+@router.post("/v1/samplers/lost", dependencies=[TRAINER])
+def lost(body: LostRequest, st: BrokerState = State) -> RevokeReply:
+    """The admin's (a supervisor that saw its child die): the alive samplers of this name are
+    lost now, their leases returned at once, not a lease_silence_s later."""
+    returned = st.store.lost_by_name(body.name, time.time())
+    if returned:
+        st.jobs_bell.ring()
+    log.warning("sampler %s died (its supervisor says); %d leased jobs returned", body.name, returned)
+    return RevokeReply(returned=returned)
 
 
 @router.post("/v1/samplers/{sampler_id}/revoke", dependencies=[TRAINER])
@@ -258,7 +275,11 @@ async def push(request: Request, caller: Caller = SAMPLER, st: BrokerState = Sta
     sampler_id, (group,) = await arrivals(request, st, many=False)
     caller.acts_as(sampler_id)
     now = time.time()
-    seed = await st.write(st.store.push, sampler_id, group, now)
+    try:
+        seed = await st.write(st.store.push, sampler_id, group, now)
+    except ProtocolError:
+        await st.write(st.store.refused_push, sampler_id)  # the push wrote nothing: counted apart
+        raise
     if seed is not None:
         st.verify_later(seed, now, group, st.standing.turn(sampler_id))
     return PushReply(stored=seed is not None)
@@ -277,6 +298,8 @@ async def push_many(
         job_id: PushResult(job_id=job_id, stored=False, refused=why)
         for job_id, why in (g for g in groups if not isinstance(g, Arrival))
     }
+    if len(sized) < len(groups):  # refused before the store: counted apart
+        await st.write(st.store.refused_push, sampler_id, len(groups) - len(sized))
     outcome = await st.write(st.store.push_many, sampler_id, sized, now)
     for group, ok in zip(sized, outcome):
         if isinstance(ok, int):
@@ -318,7 +341,7 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
     window = (
         {"version": body.step} if b.mode == "sync" else {"min_version": body.step - b.max_staleness}
     )
-    n_dropped = 0
+    n_dropped, t0 = 0, time.monotonic()
 
     def attempt():
         nonlocal n_dropped
@@ -335,6 +358,7 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
 
     groups = await st.groups_bell.poll(body.wait_s, attempt, st.writer.trainer)
     st.metrics.dropped.inc(n_dropped)
+    st.metrics.trainer_wait.observe(time.monotonic() - t0)
     # The groups as stored (validated when pushed): a PullReply, written without re-encoding.
     reply = (
         f'{{"groups":[{",".join(groups)}],"dropped_stale":{n_dropped},'
@@ -350,6 +374,10 @@ async def pull(body: PullRequest, st: BrokerState = State) -> Response:
 async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
     """The trainer consumed these groups at this step: they are never served again."""
     consumed = await st.for_trainer(st.store.ack, body.job_ids, body.step)
+    if consumed:
+        for version, operator in await st.for_trainer(st.store.origins, body.job_ids):
+            st.metrics.staleness.observe(body.step - version)
+            st.metrics.consumed.labels(operator).inc()
     if consumed and body.train_s is not None and body.tokens is not None:
         st.pace.step(body.train_s, body.tokens, time.time())
     if consumed:
@@ -483,7 +511,11 @@ def status(limit: int = Query(100, ge=0, le=100_000), st: BrokerState = State) -
     """The swarm at a glance: samplers counted by state and the `limit` most relevant listed
     (alive first), versions, jobs, the buffer, the verifiers."""
     samplers = [
-        SamplerStatus(**row, standing=st.standing.describe(row["id"], row["audited_tokens"]))
+        SamplerStatus(
+            **row,
+            standing=st.standing.describe(row["id"], row["audited_tokens"]),
+            fetch_s=st.pace.fetch_of(row["id"]),
+        )
         for row in st.store.samplers(max(limit, 1000))
     ]
     return StatusReply(

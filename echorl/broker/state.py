@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from echorl.broker.auth import Auth, RateLimit
 from echorl.broker.capacity import Pace
@@ -155,6 +155,34 @@ class Metrics:
         self.verifier_busy = Gauge(
             "broker_verifier_utilisation",
             "fraction of the verifier workers' time spent scoring",
+            registry=self.registry,
+        )
+        self.samplers = Gauge(
+            "broker_samplers", "samplers the broker knows, by state", ["state"], registry=self.registry
+        )
+        # Per operator (admin-enrolled names, few: bounded), "" for the shared token.
+        self.consumed = Counter(
+            "broker_groups_consumed",
+            "groups the trainer consumed, by the operator of the sampler that made them",
+            ["operator"],
+            registry=self.registry,
+        )
+        self.staleness = Histogram(
+            "broker_consumed_staleness",
+            "trainer step minus the version that made each consumed group",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=self.registry,
+        )
+        self.dissemination = Histogram(
+            "broker_version_fetch_seconds",
+            "a version's download and load at a sampler, as it reported it",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
+        self.trainer_wait = Histogram(
+            "broker_trainer_pull_wait_seconds",
+            "how long each of the trainer's pulls waited for groups",
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
             registry=self.registry,
         )
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from echorl.broker.standing import is_proven, proven_sql
-from echorl.broker.swarm import RETRY, SwarmBook, quarantined
+from echorl.broker.swarm import ACCOUNT, RETRY, SwarmBook, quarantined, tally
 from echorl.protocol import (
     MAX_PROMPT_TOKENS,
     Arrival,
@@ -113,6 +113,11 @@ MIGRATIONS = (
     ("rollouts", "tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("rollouts", "parts", "TEXT"),  # a dataset task's rewards, one by one (sums, counts)
     ("rollouts", "flat", "INTEGER NOT NULL DEFAULT 0"),  # set aside by dynamic sampling
+    # Each sampler's account (`SwarmBook.account`): what it pushed and what became of it.
+    *(
+        ("samplers", column, "INTEGER NOT NULL DEFAULT 0")
+        for column in ACCOUNT
+    ),
 )
 
 WIRE = {"rewards", "sampler", "reward_parts"}  # what a stored body leaves out: added when served
@@ -313,6 +318,8 @@ class BrokerStore(SwarmBook):
             c.execute("UPDATE meta SET value = ? WHERE key = 'latest_version'", (version,))
             if not cancel_older:
                 return 0, 0, 0
+            taken_back = "t.state = 'leased' AND t.required_version < ?"
+            tally(c, "cancelled", "jobs", "lease_owner", taken_back, (version,))
             cancelled = c.execute(
                 "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL, "
                 "required_version = NULL, extra = 0 "
@@ -320,6 +327,8 @@ class BrokerStore(SwarmBook):
                 (version,),
             ).rowcount
             older = "FROM rollouts WHERE state IN ('scoring', 'ready') AND version < ?"
+            late = "t.state IN ('scoring', 'ready') AND t.version < ?"
+            tally(c, "stale", "rollouts", "sampler_id", late, (version,))
             (tokens,) = c.execute(
                 "SELECT COALESCE(SUM(json_array_length(c.value, '$.token_ids')), 0) "
                 f"FROM (SELECT body {older}) r, json_each(r.body, '$.completions') c",
@@ -590,6 +599,15 @@ class BrokerStore(SwarmBook):
 
         return self._tx(fn)
 
+    def refused_push(self, sampler_id: str, n: int = 1) -> None:
+        """`n` groups of this sampler's refused before the store (parsing, or a single push's
+        refusal, which left no write)."""
+        self._tx(lambda c: self._refused(c, sampler_id, n))
+
+    @staticmethod
+    def _refused(c, sampler_id: str, n: int) -> None:
+        c.execute("UPDATE samplers SET refused = refused + ? WHERE id = ?", (n, sampler_id))
+
     def push_many(
         self, sampler_id: str, groups: list[Arrival | ScoredGroup], now: float
     ) -> list[int | None | str]:
@@ -604,6 +622,8 @@ class BrokerStore(SwarmBook):
                     results.append(self._push_one(c, sampler_id, group, now))
                 except ProtocolError as e:
                     results.append(str(e))
+            if refused := sum(isinstance(r, str) for r in results):
+                self._refused(c, sampler_id, refused)
             self._measure(c, sampler_id)
             return results
 
@@ -642,6 +662,11 @@ class BrokerStore(SwarmBook):
             (group.job_id, group.version, sampler_id, group.body, group.claimed, now, group.tokens),
         )
         c.execute(
+            "UPDATE samplers SET pushed = pushed + 1, pushed_tokens = pushed_tokens + ? "
+            "WHERE id = ?",
+            (group.tokens, sampler_id),
+        )
+        c.execute(
             "UPDATE jobs SET state = 'done', lease_deadline = NULL WHERE job_id = ?",
             (group.job_id,),
         )
@@ -675,6 +700,14 @@ class BrokerStore(SwarmBook):
             ready = refused = promoted = flat = 0
             for job_id, created, rewards, parts in verdicts:
                 if rewards is None:
+                    tally(
+                        c,
+                        "refused",
+                        "rollouts",
+                        "sampler_id",
+                        "t.job_id = ? AND t.state = 'scoring' AND t.created_at = ?",
+                        (job_id, created),
+                    )
                     gone = c.execute(
                         "DELETE FROM rollouts WHERE job_id = ? AND state = 'scoring' "
                         "AND created_at = ?",
@@ -702,6 +735,12 @@ class BrokerStore(SwarmBook):
                 ).rowcount:
                     ready += state == "ready"
                     flat += state == "stale"
+                    if state == "stale":
+                        c.execute(
+                            "UPDATE samplers SET flat = flat + 1 WHERE id = "
+                            "(SELECT sampler_id FROM rollouts WHERE job_id = ?)",
+                            (job_id,),
+                        )
                     (delivered,) = c.execute(  # a delivered group: its sampler may hold more
                         "UPDATE samplers SET delivered = delivered + 1 WHERE id = "
                         "(SELECT sampler_id FROM rollouts WHERE job_id = ?) RETURNING delivered",
@@ -768,6 +807,7 @@ class BrokerStore(SwarmBook):
                 if rows:
                     return [make(*r[1:]) for r in rows], 0
             floor = min_version if version is None else version
+            tally(c, "stale", "rollouts", "sampler_id", "t.state = 'ready' AND t.version < ?", (floor,))
             dropped = c.execute(
                 "UPDATE rollouts SET state = 'stale' WHERE state = 'ready' AND version < ?",
                 (floor,),
@@ -795,6 +835,17 @@ class BrokerStore(SwarmBook):
 
         return self._tx(fn)
 
+    def origins(self, job_ids: list[int]) -> list[tuple[int, str]]:
+        """Each group's version and its sampler's operator ('' for the shared token)."""
+        marks = ", ".join("?" * len(job_ids))
+        return self._tx(
+            lambda c: c.execute(
+                "SELECT r.version, COALESCE(s.operator, '') FROM rollouts r LEFT JOIN samplers s "
+                f"ON s.id = r.sampler_id WHERE r.job_id IN ({marks})",
+                job_ids,
+            ).fetchall()
+        )
+
     def ack(self, job_ids: list[int], step: int) -> int:
         """Mark pulled groups consumed at trainer `step`; a group is consumed at most once.
         Returns how many were newly consumed (re-acking is a no-op)."""
@@ -816,6 +867,12 @@ class BrokerStore(SwarmBook):
                 c.execute(
                     "UPDATE rollouts SET state = 'consumed', consumed_step = ? WHERE job_id = ?",
                     (step, job_id),
+                )
+                c.execute(
+                    "UPDATE samplers SET consumed = consumed + 1, consumed_tokens = "
+                    "consumed_tokens + r.tokens FROM (SELECT sampler_id, tokens FROM rollouts "
+                    "WHERE job_id = ?) r WHERE samplers.id = r.sampler_id",
+                    (job_id,),
                 )
                 # Open for an auditor, unless the trainer's report (sent before the ack)
                 # already audited it.

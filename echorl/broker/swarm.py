@@ -30,6 +30,34 @@ RETRY = (
 )
 
 
+# A sampler's account, counted as things happen (a status call reads, never scans): groups
+# pushed and their completion tokens; of those, consumed by the trainer (and their tokens),
+# dropped stale, refused (at push or by the verifier), set aside flat (dynamic sampling);
+# jobs taken back from it (sync's cancelled work) and leases it let lapse.
+ACCOUNT = (
+    "pushed",
+    "pushed_tokens",
+    "consumed",
+    "consumed_tokens",
+    "stale",
+    "refused",
+    "flat",
+    "cancelled",
+    "lapsed",
+)
+
+
+def tally(c, column: str, table: str, owner: str, where: str, params: tuple) -> None:
+    """Add to each sampler's `column` its rows of `table` (whose `owner` column names it)
+    that match `where`: before those rows change state."""
+    c.execute(
+        f"UPDATE samplers SET {column} = {column} + (SELECT COUNT(*) FROM {table} t "
+        f"WHERE t.{owner} = samplers.id AND {where}) "
+        f"WHERE id IN (SELECT {owner} FROM {table} t WHERE {where})",
+        params * 2,
+    )
+
+
 @dataclass(frozen=True)
 class Quarantine:
     """When the trainer's log-probs of a sampler's tokens disagree with the sampler's own
@@ -178,6 +206,23 @@ class SwarmBook:
         Returns how many were returned."""
         return self._end(sampler_id, "revoked")
 
+    def lost_by_name(self, name: str, now: float) -> int:
+        """The alive samplers named `name` are lost (their process died: its supervisor says
+        so), their leased jobs back in the queue at once; how many jobs."""
+
+        def fn(c):
+            ids = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM samplers WHERE name = ? AND state = 'alive'", (name,)
+                )
+            ]
+            for sampler_id in ids:
+                c.execute("UPDATE samplers SET state = 'lost' WHERE id = ?", (sampler_id,))
+            return sum(self._return_leases(c, sampler_id) for sampler_id in ids)
+
+        return self._tx(fn)
+
     def heartbeat(
         self,
         sampler_id: str,
@@ -235,35 +280,53 @@ class SwarmBook:
 
         return self._tx(fn)
 
-    def expire(self, now: float, sampler_timeout: float, bar_s: float = 0.0) -> tuple[int, int]:
-        """Mark silent samplers lost and return expired leases to the queue. A sampler whose
-        lease ran out may lease nothing for `bar_s` (one that hoards leases and never pushes
-        holds jobs one lease period, then waits one), and the count its leases grow by is
-        halved (one lapse of a proven sampler costs some standing, not all: before, it
-        started over as a newcomer); all samplers of its operator are barred too (a new
-        identity escapes neither). Returns (leases returned, samplers lost)."""
+    def expire(
+        self,
+        now: float,
+        sampler_timeout: float,
+        bar_s: float = 0.0,
+        lease_silence_s: float | None = None,
+    ) -> tuple[int, int]:
+        """Mark silent samplers lost and return expired leases to the queue: those past their
+        deadline, and those of a sampler silent for `lease_silence_s` (it beats while it
+        works one: a killed process, a pulled cable, releases its jobs in seconds, not a lease
+        period). A sampler whose lease lapsed so may lease nothing for `bar_s` (one that
+        hoards leases and never pushes holds jobs one lease period, then waits one), and the
+        count its leases grow by is halved (one lapse of a proven sampler costs some
+        standing, not all: before, it started over as a newcomer); all samplers of its
+        operator are barred too (a new identity escapes neither). Returns (leases returned,
+        samplers lost)."""
+        silent = now - (lease_silence_s if lease_silence_s is not None else float("inf"))
 
         def fn(c):
             lost = c.execute(
                 "UPDATE samplers SET state = 'lost' WHERE state = 'alive' AND last_seen < ?",
                 (now - sampler_timeout,),
             ).rowcount
-            expired = "SELECT lease_owner FROM jobs WHERE state = 'leased' AND lease_deadline < ?"
+            expired = (
+                "SELECT lease_owner FROM jobs WHERE state = 'leased' AND (lease_deadline < ? "
+                "OR lease_owner IN (SELECT id FROM samplers WHERE last_seen < ?))"
+            )
+            lapsed = (
+                "t.state = 'leased' AND (t.lease_deadline < ? OR t.lease_owner IN "
+                "(SELECT id FROM samplers WHERE last_seen < ?))"
+            )
+            tally(c, "lapsed", "jobs", "lease_owner", lapsed, (now, silent))
             c.execute(
                 f"UPDATE operators SET barred_until = ? WHERE name IN (SELECT operator FROM "
                 f"samplers WHERE operator != '' AND id IN ({expired}))",
-                (now + bar_s, now),
+                (now + bar_s, now, silent),
             )
             c.execute(
                 f"UPDATE samplers SET barred_until = ?, delivered = delivered / 2 "
                 f"WHERE id IN ({expired})",
-                (now + bar_s, now),
+                (now + bar_s, now, silent),
             )
             returned = c.execute(
                 f"UPDATE jobs SET {RETRY} "
                 "WHERE state = 'leased' AND (lease_deadline < ? OR lease_owner IN "
-                "(SELECT id FROM samplers WHERE state != 'alive'))",
-                (self.max_attempts, now),
+                "(SELECT id FROM samplers WHERE state != 'alive' OR last_seen < ?))",
+                (self.max_attempts, now, silent),
             ).rowcount
             c.execute(
                 "UPDATE rollouts SET state = 'ready', pull_deadline = NULL "
@@ -308,13 +371,16 @@ class SwarmBook:
             "audit_kl / MAX(audit_tokens, 1)",
             "audit_beyond / MAX(audit_tokens, 1)",
             "cost_per_hour",
+            *ACCOUNT,
+            "(SELECT COUNT(*) FROM jobs j WHERE j.state = 'leased' AND j.lease_owner = s.id)",
         )
-        names = (*cols[:-5], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
-        names += ("cost_per_hour",)
+        names = (*cols[:10], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
+        names += ("cost_per_hour", *ACCOUNT, "leased")
         rank = "CASE state WHEN 'alive' THEN 0 WHEN 'quarantined' THEN 1 WHEN 'revoked' THEN 1 ELSE 2 END"
         rows = self._tx(
             lambda c: c.execute(
-                f"SELECT {', '.join(cols)} FROM samplers ORDER BY {rank}, last_seen DESC LIMIT ?",
+                f"SELECT {', '.join(cols)} FROM samplers s ORDER BY {rank}, last_seen DESC "
+                "LIMIT ?",
                 (limit,),
             ).fetchall()
         )

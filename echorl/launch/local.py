@@ -132,6 +132,17 @@ class Swarm:
             )
         return role.proc
 
+    def tell_lost(self, name: str) -> None:
+        """Tell the broker that sampler process `name` died (best effort: a broker that does
+        not answer releases its leases after broker.lease_silence_s anyway)."""
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                self.url + "/v1/samplers/lost",
+                json={"name": name},
+                headers={"Authorization": f"Bearer {self.env['ECHORL_TRAINER_TOKEN']}"},
+                timeout=2.0,
+            )
+
     def reap(self, role: Role) -> None:
         """Kill what is left of a dead role's process group (its helpers: parser and verifier
         workers, multiprocessing's resource tracker), so nothing of it outlives it."""
@@ -460,6 +471,8 @@ def supervise(swarm: Swarm, role: Role, cfg: RunConfig, console: Console) -> int
     if not role.due:
         code = role.proc.returncode
         swarm.reap(role)
+        if role.name.startswith("sampler-"):
+            swarm.tell_lost(role.name)  # its leases back in the queue now, not seconds on
         if role.name.startswith(("sampler-", "auditor-")) and code == REFUSED:
             role.retired = True
             console.print(

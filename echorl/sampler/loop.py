@@ -246,11 +246,36 @@ class Sampler:
                 stop.wait(2.0)
         return None
 
+    def rejoin(
+        self, enrolment: str, stop: threading.Event, outage: Outage, why: BrokerRejected
+    ) -> RegisterReply | None:
+        """Register again after the broker forgot this sampler (`why`); BrokerRejected naming
+        both when it refuses (another run's broker: other tokens, task or tokenizer)."""
+        self.client.use_token(enrolment)
+        try:
+            terms = self.join(stop, outage)
+        except BrokerRejected as e:
+            raise BrokerRejected(
+                e.status,
+                f"the broker no longer knows this sampler ({why.reason}) and refused it again: "
+                f"{e.reason}. It serves another run now (restarted on a fresh data dir with "
+                "other tokens or config?): start this sampler with that run's token and config",
+            ) from None
+        if terms is not None:
+            log.warning(
+                "%s: the broker no longer knew this sampler (restarted on a fresh data dir, or "
+                "it forgot it after broker.sampler_retention_s): registered again as %s",
+                self.name,
+                terms.sampler_id,
+            )
+        return terms
+
     def run(self, stop: threading.Event) -> None:
         """Lease, generate, push until `stop`. Raises BrokerRejected when the broker refuses
         this sampler: at registration (another tokenizer or task than the run's, too many
         samplers), or later (401/403: it was revoked)."""
         outage = Outage(self.name)
+        enrolment = self.client.token  # joining swaps it for this sampler's own credential
         if (terms := self.join(stop, outage)) is None:
             return  # stopped before it could register
         sampler_id, self.max_body_bytes = terms.sampler_id, terms.max_body_bytes
@@ -280,6 +305,16 @@ class Sampler:
                 outage.failed(e)
                 stop.wait(2.0)
             except BrokerRejected as e:
+                if e.status == 401 and e.reason.startswith("unknown token"):
+                    # Forgotten: a broker restarted on a fresh data dir, or this sampler gone
+                    # past sampler_retention_s. Once more with the enrolment token, or the
+                    # reason why not.
+                    if (terms := self.rejoin(enrolment, stop, outage, e)) is None:
+                        break
+                    sampler_id, self.max_body_bytes = terms.sampler_id, terms.max_body_bytes
+                    if self.peers:
+                        self.peers.secret = terms.peer_secret
+                    continue
                 if e.status in (401, 403):  # revoked or quarantined: it may not call any more
                     raise
                 log.warning("%s: %s; leasing again", self.name, e)  # e.g. a version deleted

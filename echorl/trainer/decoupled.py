@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 from transformers import PreTrainedModel
 
+from echorl.accounts import holding
 from echorl.client import BrokerClient, BrokerError, BrokerRejected
 from echorl.config import RunConfig
 from echorl.metrics import plot_run, read_metrics, tracking
@@ -240,9 +241,11 @@ class DecoupledTrainer:
         alive = [s for s in samplers if s.state == "alive"]
         gone = Counter({k: n for k, n in status.sampler_counts.items() if k != "alive"})
         why = ", ".join(f"{n} {state}" for state, n in sorted(gone.items()))
+        held = holding(status, time.time())
         self.console.print(
             f"[yellow]step {step}: no groups for {waited:.0f} s; {len(alive)} samplers alive"
             + (f" ({why})" if why else "")
+            + (f"; waiting on {escape('; '.join(held))}" if held else "")
         )
         if alive:
             self.lonely_since = None

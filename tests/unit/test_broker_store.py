@@ -868,3 +868,53 @@ def test_without_dynamic_sampling_flat_groups_are_served(s):
     (j,) = s.lease(a, 1, 2, now=0, lease_seconds=10)
     push(s, a, group(s, j.job_id), [1.0, 1.0], now=1)
     assert s.flat_refilled == 0 and s.counts()["rollouts"] == {"ready": 1}
+
+
+def test_each_samplers_account_matches_the_broker_rows(tmp_path):
+    """Pushed, consumed, stale, refused, flat, cancelled and lapsed, counted as they happen,
+    agree with the rows they count."""
+    s = store(tmp_path, refill_flat=1)
+    a, b = sampler(s, "a"), sampler(s, "b")
+    admit = Admission(batch=2, max_staleness=0, pin_version=True, spare=2)
+    s.set_latest_version(0)
+    mine = s.lease(a, 3, 2, now=0, lease_seconds=10, admit=admit)
+    theirs = s.lease(b, 3, 2, now=0, lease_seconds=10, admit=admit)
+    assert [len(mine), len(theirs)] == [3, 1]
+    s.push(a, group(s, mine[0].job_id), now=1)
+    s.push(a, group(s, mine[1].job_id), now=1)
+    s.push(a, group(s, mine[2].job_id), now=1)
+    s.scored([(mine[0].job_id, 1, [1.0, 0.0], None), (mine[1].job_id, 1, None, None)])
+    s.scored([(mine[2].job_id, 1, [1.0, 1.0], None)])  # flat: set aside
+    (refused,) = s.push_many(a, [group(s, theirs[0].job_id)], now=1)  # not a's job
+    assert "not leased to sampler" in refused
+    pulled, _ = s.pull(2, now=2, lease_seconds=10, version=0)
+    s.ack([g.job_id for g in pulled], step=0)
+    s.set_latest_version(1, cancel_older=True)  # b's job taken back
+    (late,) = s.lease(a, 1, 2, now=3, lease_seconds=1, admit=admit)
+    s.expire(now=10, sampler_timeout=60)  # a lets it lapse
+    rows = {r["name"]: r for r in s.samplers()}
+    consumed = s.db.execute("SELECT COUNT(*) FROM rollouts WHERE state = 'consumed'").fetchone()[0]
+    assert (rows["a"]["pushed"], rows["a"]["consumed"], consumed) == (3, 1, 1)
+    assert rows["a"]["refused"] == 2  # the verifier's refusal, and the push of b's job
+    assert rows["a"]["flat"] == 1 and rows["a"]["lapsed"] == 1 and rows["a"]["leased"] == 0
+    assert rows["a"]["pushed_tokens"] == 3 * 2 * 3 and rows["a"]["consumed_tokens"] == 2 * 3
+    assert rows["b"]["cancelled"] == 1 and rows["b"]["pushed"] == 0
+    assert late.job_id in [r[0] for r in s.db.execute("SELECT job_id FROM jobs WHERE state = 'queued'")]
+
+
+def test_a_silent_sampler_holding_a_lease_is_released_in_seconds(tmp_path):
+    """`lease_silence_s`: a sampler that holds a lease and stops beating (killed) has its jobs
+    back in the queue after that long, not its lease period; counted as a lapse."""
+    s = store(tmp_path)
+    a, b = sampler(s, "a", now=0), sampler(s, "b", now=0)
+    (job,) = s.lease(a, 1, 2, now=0, lease_seconds=120)
+    s.heartbeat(b, 5.0)
+    assert s.expire(now=5.0, sampler_timeout=60, bar_s=120, lease_silence_s=6) == (0, 0)
+    assert s.expire(now=7.0, sampler_timeout=60, bar_s=120, lease_silence_s=6) == (1, 0)
+    state = s.db.execute("SELECT state FROM jobs WHERE job_id = ?", (job.job_id,)).fetchone()
+    assert state == ("queued",)
+    rows = {r["name"]: r for r in s.samplers()}
+    assert rows["a"]["state"] == "alive" and rows["a"]["lapsed"] == 1  # lost only at 60 s
+    assert s.lease(b, 1, 2, now=7.0, lease_seconds=120)[0].job_id == job.job_id
+    assert s.lost_by_name("b", 8.0) == 1  # its supervisor saw it die: released at once
+    assert {r["name"]: r["state"] for r in s.samplers()}["b"] == "lost"
