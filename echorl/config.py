@@ -486,6 +486,12 @@ class BrokerConfig(_Section):
         min_length=16,
         description="bearer token of the trainer role (or $ECHORL_TRAINER_TOKEN)",
     )
+    viewer_token: str | None = Field(
+        None,
+        min_length=16,
+        description="read-only: the dashboard at /ui and nothing else (or $ECHORL_VIEWER_TOKEN); "
+        "the trainer token opens it too",
+    )
     sampler_token: str | None = Field(
         None,
         min_length=16,

@@ -23,6 +23,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from echorl.broker.dashboard import ui
 from echorl.broker.routes import router
 from echorl.broker.state import BrokerState, SetupError, build_state
 from echorl.config import RunConfig
@@ -53,6 +54,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
     app.add_exception_handler(ProtocolError, protocol_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.include_router(router)
+    app.include_router(ui)
     return app
 
 

@@ -1,6 +1,6 @@
 """Who may call what: bearer tokens, checked by one FastAPI dependency per kind of route.
 
-Three kinds of caller:
+Four kinds of caller:
 
 - the trainer (`broker.trainer_token` or $ECHORL_TRAINER_TOKEN): publish, pull, ack,
   rewind, status, revoke; it is also the admin and may call every route;
@@ -9,6 +9,8 @@ Three kinds of caller:
   sampler and read the run, nothing else. What the audit finds and what hoarding costs stay
   with an operator, whatever identities it registers; the shared token has no such memory;
   registrations are rate-limited per token and per client address (`RateLimit`);
+- a viewer (`broker.viewer_token` or $ECHORL_VIEWER_TOKEN, optional): the dashboard at /ui,
+  nothing else;
 - a registered sampler: registration returns a credential of its own, and every later call
   carries it. It may act only as itself (a push, lease, heartbeat or leave naming another
   sampler is 403), and a revoked or departed sampler's credential is refused (401).
@@ -74,6 +76,8 @@ class Auth:
                 "broker.trainer_token and broker.sampler_token are required "
                 "(or set ECHORL_TRAINER_TOKEN / ECHORL_SAMPLER_TOKEN, or --insecure-no-auth)"
             )
+        # The dashboard's read-only viewers, when the run names a token for them.
+        tokens["viewer"] = cfg.viewer_token or os.environ.get("ECHORL_VIEWER_TOKEN")
         self.tokens = {role: t for role, t in tokens.items() if t}  # never logged
         self.insecure = cfg.insecure_no_auth
         self.samplers = dict(samplers)  # credential hash -> sampler id

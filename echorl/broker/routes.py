@@ -30,7 +30,6 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from echorl.broker.auth import ANYONE, ENROL, SAMPLER, TRAINER, Caller, new_credential
-from echorl.broker.capacity import capacity
 from echorl.broker.intake import Parsed
 from echorl.broker.state import BrokerState
 from echorl.protocol import (
@@ -66,7 +65,6 @@ from echorl.protocol import (
     RewindRequest,
     RunInfo,
     SamplerInfo,
-    SamplerStatus,
     SourceRequest,
     StatusReply,
     TrainerHello,
@@ -375,9 +373,11 @@ async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
     """The trainer consumed these groups at this step: they are never served again."""
     consumed = await st.for_trainer(st.store.ack, body.job_ids, body.step)
     if consumed:
-        for version, operator in await st.for_trainer(st.store.origins, body.job_ids):
+        origins = await st.for_trainer(st.store.origins, body.job_ids)
+        for version, operator, _ in origins:
             st.metrics.staleness.observe(body.step - version)
             st.metrics.consumed.labels(operator).inc()
+        st.board.stepped(body.step, origins)
     if consumed and body.train_s is not None and body.tokens is not None:
         st.pace.step(body.train_s, body.tokens, time.time())
     if consumed:
@@ -451,6 +451,7 @@ async def publish(
         st.metrics.dropped.inc(dropped)
         log.info("version %d: %d jobs cancelled, %d groups dropped", version, cancelled, dropped)
     st.metrics.latest.set(version)
+    st.board.published.append((version, time.time()))
     st.jobs_bell.ring()  # a new version admits more jobs
     st.audits_bell.ring()  # and makes an older one final
     st.retain_weights(version)
@@ -510,24 +511,4 @@ def download(version: int = Version, st: BrokerState = State) -> FileResponse:
 def status(limit: int = Query(100, ge=0, le=100_000), st: BrokerState = State) -> StatusReply:
     """The swarm at a glance: samplers counted by state and the `limit` most relevant listed
     (alive first), versions, jobs, the buffer, the verifiers."""
-    samplers = [
-        SamplerStatus(
-            **row,
-            standing=st.standing.describe(row["id"], row["audited_tokens"]),
-            fetch_s=st.pace.fetch_of(row["id"]),
-        )
-        for row in st.store.samplers(max(limit, 1000))
-    ]
-    return StatusReply(
-        mode=st.cfg.broker.mode,
-        latest_version=st.store.latest_version(),
-        samplers=samplers[:limit],
-        sampler_counts=st.store.sampler_counts(),
-        verifier=dict(st.verifier.failures) | {"refused": st.verifier.refused},
-        verifier_busy=st.verifier.utilisation(),
-        verifier_error=st.verifier.first_error,
-        auditors=st.auditors_alive(),
-        weight_sources=dict(st.fanout.named),
-        capacity=capacity(st.pace, samplers, st.admission.max_staleness),
-        **st.store.counts(),
-    )
+    return st.status_reply(limit)

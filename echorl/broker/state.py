@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from echorl.broker.auth import Auth, RateLimit
-from echorl.broker.capacity import Pace
+from echorl.broker.capacity import Pace, capacity
+from echorl.broker.dashboard import Board
 from echorl.broker.fanout import FanOut
 from echorl.broker.intake import Limits, PushParser
 from echorl.broker.standing import Standing
@@ -38,7 +39,9 @@ from echorl.protocol import (
     NotFound,
     ProtocolError,
     RunInfo,
+    SamplerStatus,
     ScoredGroup,
+    StatusReply,
     TooMany,
     Unprocessable,
     WeightVersion,
@@ -210,6 +213,7 @@ class BrokerState:
     pace: Pace  # the trainer's steps and the versions' spread, for capacity figures
     standing: Standing  # who is proven (leases, verifier turns): broker/standing.py
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
+    board: Board = field(default_factory=Board)  # what the dashboard shows (broker/dashboard.py)
     # Registrations per enrolment token and per client address (a sybil's identities).
     registrations: RateLimit = field(default_factory=lambda: RateLimit(0, 1))
     calls: RateLimit = field(default_factory=lambda: RateLimit(0, 1))  # per sampler
@@ -289,6 +293,30 @@ class BrokerState:
     async def write(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the samplers' lane of the writer; returns once committed."""
         return await asyncio.wrap_future(self.writer.samplers.submit(fn, *args))
+
+    def status_reply(self, limit: int) -> StatusReply:
+        """`GET /v1/status`'s answer (also the dashboard's)."""
+        samplers = [
+            SamplerStatus(
+                **row,
+                standing=self.standing.describe(row["id"], row["audited_tokens"]),
+                fetch_s=self.pace.fetch_of(row["id"]),
+            )
+            for row in self.store.samplers(max(limit, 1000))
+        ]
+        return StatusReply(
+            mode=self.cfg.broker.mode,
+            latest_version=self.store.latest_version(),
+            samplers=samplers[:limit],
+            sampler_counts=self.store.sampler_counts(),
+            verifier=dict(self.verifier.failures) | {"refused": self.verifier.refused},
+            verifier_busy=self.verifier.utilisation(),
+            verifier_error=self.verifier.first_error,
+            auditors=self.auditors_alive(),
+            weight_sources=dict(self.fanout.named),
+            capacity=capacity(self.pace, samplers, self.admission.max_staleness),
+            **self.store.counts(),
+        )
 
     async def for_trainer(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the trainer's lane of the writer; returns once committed."""

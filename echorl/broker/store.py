@@ -835,16 +835,42 @@ class BrokerStore(SwarmBook):
 
         return self._tx(fn)
 
-    def origins(self, job_ids: list[int]) -> list[tuple[int, str]]:
-        """Each group's version and its sampler's operator ('' for the shared token)."""
+    def origins(self, job_ids: list[int]) -> list[tuple[int, str, str]]:
+        """Each group's version, its sampler's operator ('' for the shared token) and the
+        broker's rewards (JSON)."""
         marks = ", ".join("?" * len(job_ids))
         return self._tx(
             lambda c: c.execute(
-                "SELECT r.version, COALESCE(s.operator, '') FROM rollouts r LEFT JOIN samplers s "
+                "SELECT r.version, COALESCE(s.operator, ''), r.rewards FROM rollouts r "
+                "LEFT JOIN samplers s "
                 f"ON s.id = r.sampler_id WHERE r.job_id IN ({marks})",
                 job_ids,
             ).fetchall()
         )
+
+    def recent_groups(self, sampler_id: str, n: int) -> list[dict]:
+        """A sampler's `n` most recent groups: job, version, state, rewards, when."""
+        rows = self._tx(
+            lambda c: c.execute(
+                "SELECT job_id, version, state, rewards, created_at, consumed_step, flat "
+                "FROM rollouts WHERE sampler_id = ? ORDER BY created_at DESC LIMIT ?",
+                (sampler_id, n),
+            ).fetchall()
+        )
+        keys = ("job_id", "version", "state", "rewards", "created_at", "consumed_step", "flat")
+        return [dict(zip(keys, r)) | {"rewards": json.loads(r[3] or "null")} for r in rows]
+
+    def group_detail(self, job_id: int) -> dict | None:
+        """One stored group with its job's prompt text, for the dashboard's drill-down."""
+        row = self._tx(
+            lambda c: c.execute(
+                "SELECT r.body, r.rewards, r.claimed, r.sampler_id, r.state, r.consumed_step, "
+                "j.prompt FROM rollouts r JOIN jobs j USING (job_id) WHERE r.job_id = ?",
+                (job_id,),
+            ).fetchone()
+        )
+        keys = ("body", "rewards", "claimed", "sampler_id", "state", "consumed_step", "prompt")
+        return None if row is None else dict(zip(keys, row))
 
     def ack(self, job_ids: list[int], step: int) -> int:
         """Mark pulled groups consumed at trainer `step`; a group is consumed at most once.

@@ -1,0 +1,214 @@
+"""The dashboard: a read-only page the broker serves at /ui, live over server-sent events.
+
+    http://BROKER:8000/ui?token=TOKEN    # the admin (trainer) token or broker.viewer_token
+
+The token is exchanged once for an HttpOnly cookie scoped to /ui; every part of the page
+(its assets too) needs one or the other. What it shows comes from one snapshot, made at
+most once a `SNAPSHOT_S` for all viewers together, on a thread of its own: however many
+pages are open, the broker does the same bounded work (the status call's, and the trainer's
+recent steps kept in memory as they are acknowledged). Samplers and the trainer never wait
+on it. Every asset is in the package (`broker/ui/`): no CDN at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import deque
+from importlib import resources
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+
+from echorl.protocol import NotFound, TooMany, Unauthorized
+
+COOKIE = "echorl_ui"
+SNAPSHOT_S = 1.0  # a snapshot is this fresh at most
+PUSH_S = 2.0  # each open page gets one this often
+MAX_VIEWERS = 32
+STEPS_KEPT = 2000  # the trainer's recent steps the training view draws
+ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+
+ui = APIRouter(include_in_schema=False)
+
+
+class Board:
+    """What the dashboard shows, kept by the broker as it happens (the steps the trainer
+    acknowledged, the versions published), and the one shared snapshot."""
+
+    def __init__(self) -> None:
+        self.steps: deque[dict] = deque(maxlen=STEPS_KEPT)
+        self.published: deque[tuple[int, float]] = deque(maxlen=200)
+        self.viewers = 0
+        self.lock = threading.Lock()
+        self.made_at, self.made = 0.0, b""
+
+    def stepped(self, step: int, origins: list[tuple[int, str, str]]) -> None:
+        """The trainer acknowledged step `step`'s groups: (version, operator, rewards JSON)."""
+        rewards = [r for _, _, js in origins for r in json.loads(js or "[]")]
+        versions = [v for v, _, _ in origins]
+        self.steps.append(
+            {
+                "step": step,
+                "time": time.time(),
+                "reward": sum(rewards) / len(rewards) if rewards else None,
+                "staleness": sum(step - v for v in versions) / len(versions),
+                "staleness_max": max(step - v for v in versions),
+                "groups": len(origins),
+            }
+        )
+
+    def snapshot(self, make) -> bytes:
+        """The shared snapshot (`make()` builds one), at most `SNAPSHOT_S` old."""
+        with self.lock:
+            if time.monotonic() - self.made_at >= SNAPSHOT_S:
+                self.made, self.made_at = make(), time.monotonic()
+            return self.made
+
+
+def viewer(request: Request) -> str:
+    """The caller may look: the admin's or the viewer's token, from the cookie or a bearer
+    header; Unauthorized otherwise."""
+    token = request.cookies.get(COOKIE)
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    token = token or (bearer if scheme.lower() == "bearer" else None)
+    caller = request.app.state.broker.auth.identify(token)
+    if caller.role not in ("trainer", "viewer"):
+        raise Unauthorized("the dashboard needs the admin token or broker.viewer_token")
+    return caller.role
+
+
+VIEWER = Depends(viewer)
+
+
+@ui.get("/ui")
+def page(request: Request, token: str | None = Query(None, max_length=256)) -> Response:
+    if token is not None:  # the token once, for a cookie: it leaves the address bar
+        role = request.app.state.broker.auth.identify(token).role  # 401 if nobody's
+        if role not in ("trainer", "viewer"):
+            raise Unauthorized("the dashboard needs the admin token or broker.viewer_token")
+        reply = RedirectResponse("/ui", status_code=303)
+        reply.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui")
+        return reply
+    try:
+        viewer(request)
+    except Unauthorized:
+        return HTMLResponse(
+            "<!doctype html><title>echorl</title><p>Open <code>/ui?token=TOKEN</code> with the "
+            "run's admin token or its <code>broker.viewer_token</code>.</p>",
+            status_code=401,
+        )
+    return HTMLResponse(_asset("index.html"))
+
+
+@ui.get("/ui/static/{name}", dependencies=[VIEWER])
+def asset(name: str) -> Response:
+    if name not in ASSETS:
+        raise NotFound(f"no asset {name!r}")
+    return Response(_asset(name), media_type=ASSETS[name])
+
+
+@ui.get("/ui/events", dependencies=[VIEWER])
+async def events(request: Request) -> StreamingResponse:
+    """The snapshot, every `PUSH_S`, as server-sent events, while the page is open."""
+    st = request.app.state.broker
+    board: Board = st.board
+    if board.viewers >= MAX_VIEWERS:
+        raise TooMany(f"{MAX_VIEWERS} dashboards are open already")
+    board.viewers += 1
+
+    async def stream():
+        try:
+            while not await request.is_disconnected():
+                made = await asyncio.to_thread(board.snapshot, lambda: make_snapshot(st))
+                yield b"data: " + made + b"\n\n"
+                await asyncio.sleep(PUSH_S)
+        finally:
+            board.viewers -= 1
+
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+    )
+
+
+@ui.get("/ui/api/snapshot", dependencies=[VIEWER])
+async def snapshot(request: Request) -> Response:
+    """The snapshot once (the page's first paint; also what a test reads)."""
+    st = request.app.state.broker
+    made = await asyncio.to_thread(st.board.snapshot, lambda: make_snapshot(st))
+    return Response(made, media_type="application/json")
+
+
+@ui.get("/ui/api/sampler/{sampler_id}", dependencies=[VIEWER])
+def sampler_groups(request: Request, sampler_id: str) -> JSONResponse:
+    """A sampler's 30 most recent groups (what became of each)."""
+    rows = request.app.state.broker.store.recent_groups(sampler_id, 30)
+    return JSONResponse(rows)
+
+
+@ui.get("/ui/api/group/{job_id}", dependencies=[VIEWER])
+def group(request: Request, job_id: int) -> JSONResponse:
+    """One group, drilled into: the prompt, each completion's tokens with the sampler's
+    behaviour log-probs, the broker's rewards, the versions of its turns."""
+    st = request.app.state.broker
+    row = st.store.group_detail(job_id)
+    if row is None:
+        raise NotFound(f"no stored group for job {job_id}")
+    body = json.loads(row["body"])
+    completions = []
+    for c in body["completions"]:
+        tokens = [st.codec.decode([t]) for t in c["token_ids"]]
+        completions.append(
+            {
+                "text": st.codec.decode(c["token_ids"]),
+                "tokens": tokens,
+                "logprobs": c["logprobs"],
+                "turns": c.get("turns"),
+            }
+        )
+    return JSONResponse(
+        {
+            "job_id": job_id,
+            "prompt": row["prompt"],
+            "version": body["version"],
+            "sampler": row["sampler_id"],
+            "state": row["state"],
+            "consumed_step": row["consumed_step"],
+            "rewards": json.loads(row["rewards"]) if row["rewards"] else None,
+            "claimed": json.loads(row["claimed"]),
+            "completions": completions,
+        }
+    )
+
+
+def make_snapshot(st) -> bytes:
+    """Everything the page draws, as JSON: the status (samplers with their accounts),
+    what the accounts say, the trainer's recent steps, the versions."""
+    from echorl.accounts import holding, warnings
+    from echorl.broker.capacity import describe
+
+    status = st.status_reply(200)
+    return json.dumps(
+        {
+            "time": time.time(),
+            "status": status.model_dump(mode="json"),
+            "warnings": warnings(status),
+            "holding": holding(status, time.time()),
+            "steps": list(st.board.steps)[-500:],
+            "published": list(st.board.published)[-50:],
+            "capacity": describe(status.capacity) if status.capacity else [],
+            "viewers": st.board.viewers,
+        }
+    ).encode()
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("echorl.broker").joinpath("ui", name).read_bytes()

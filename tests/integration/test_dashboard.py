@@ -1,0 +1,91 @@
+"""The dashboard in a real browser (Debian's chromium, driven by playwright) against a real
+swarm: the page loads with the token and shows the K samplers, follows a new version without
+a reload, shows a killed sampler lost, drills into a group, logs no console error; nothing of
+it answers without a token. ECHORL_DOCS_SCREENSHOTS=docs/img keeps a screenshot of each view.
+"""
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from echorl.models import save_tiny_model
+from tests.integration.conftest import (
+    TRAINER,
+    free_port,
+    start_broker,
+    start_sampler,
+    start_trainer,
+    stop_broker,
+    wait_until,
+)
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+RUN = ["-o", "train.batch_prompts=4", "-o", "train.group_size=4", "-o", "broker.mode=async"]
+RUN += ["-o", "sampling.max_new_tokens=8", "-o", "train.eval_prompts=4"]
+RUN += ["-o", "train.drop_flat_groups=false"]
+
+
+def test_nothing_of_the_dashboard_answers_without_a_token(broker):
+    url, _ = broker
+    for path in ("/ui", "/ui/static/app.js", "/ui/events", "/ui/api/snapshot", "/ui/api/group/0"):
+        assert httpx.get(url + path).status_code == 401, path
+    assert httpx.get(url + "/ui", params={"token": "x" * 32}).status_code == 401
+    cookies = {"echorl_ui": "y" * 32}
+    assert httpx.get(url + "/ui/api/snapshot", cookies=cookies).status_code == 401
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install chromium (scripts/test.sh does)")
+def test_the_dashboard_follows_a_live_swarm_in_a_browser(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
+    timeouts = ["-o", "broker.sampler_timeout=3"]
+    proc, url = start_broker(tmp_path / "b", free_port(), *RUN, *timeouts)
+    samplers = [start_sampler(url, model, f"box{k}", *RUN) for k in range(2)]
+    trainer = start_trainer(url, model, tmp_path / "out", *RUN, "-o", "train.steps=400")
+    shots = Path(os.environ.get("ECHORL_DOCS_SCREENSHOTS", tmp_path))
+    errors = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + f"/ui?token={TRAINER}")
+            assert "token" not in page.url  # exchanged for a cookie, out of the address bar
+            rows = page.locator("#samplers tbody tr")
+            wait_until(lambda: rows.count() == 2, timeout=120, what="two samplers listed")
+            run = page.locator("#run")
+            wait_until(lambda: "version 2" in run.inner_text() or "version 3" in run.inner_text(),
+                       timeout=120, what="a published version")
+            seen = run.inner_text()
+            wait_until(lambda: run.inner_text().split("·")[1] != seen.split("·")[1],
+                       timeout=60, what="the next version, without a reload")
+            page.screenshot(path=str(shots / "dashboard-swarm.png"))
+            for view in ("versions", "training", "capacity"):
+                page.click(f"nav button[data-view={view}]")
+                page.screenshot(path=str(shots / f"dashboard-{view}.png"))
+            page.click("nav button[data-view=swarm]")
+            page.locator("#samplers tbody tr", has_text="box1").click()
+            first = page.locator("#sampler tr[data-job]").first
+            first.wait_for(timeout=30_000)
+            first.click()
+            page.locator("#group .completion").first.wait_for(timeout=30_000)
+            assert "completion 0: reward" in page.locator("#group").inner_text()
+            page.screenshot(path=str(shots / "dashboard-group.png"))
+            page.click("nav button[data-view=swarm]")
+            os.kill(samplers[0].pid, signal.SIGKILL)
+            lost = page.locator("#samplers tbody tr.lost", has_text="box0")
+            lost.wait_for(timeout=60_000)
+            browser.close()
+    finally:
+        for p in [trainer, *samplers]:
+            if p.poll() is None:
+                p.terminate()
+            p.communicate(timeout=60)
+        stop_broker(proc)
+    assert errors == []
