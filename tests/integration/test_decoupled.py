@@ -227,7 +227,7 @@ def test_a_trainer_by_hand_resumes_from_its_own_config(tmp_path):
     )
 
     model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
-    run = ["-o", "train.batch_prompts=4", "-o", "sampling.max_new_tokens=4"]
+    run = ["-o", "train.batch_prompts=4", "-o", "train.group_size=2", "-o", "sampling.max_new_tokens=4"]
     run += ["-o", "train.eval_prompts=4", "-o", "broker.mode=async"]
     proc, url = start_broker(tmp_path / "b", free_port(), *run)
     sampler = start_sampler(url, model, "s0", *run)

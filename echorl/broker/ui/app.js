@@ -72,7 +72,7 @@ function drawSwarm() {
       tr.className = s.state + " pick";
       tr.dataset.id = s.id;
       for (const [key] of COLUMNS) {
-        const v = key === "share" ? (s.share === null ? null : (100 * s.share).toFixed(1) + "%") : fmt(s[key]);
+        const v = key === "share" ? (s.share === null ? null : (100 * s.share).toFixed(1) + "%") : fmt(s[key], key === "tokens_per_s" ? 0 : 2);
         tr.append(text("td", v));
       }
       tr.addEventListener("click", () => openSampler(s));
