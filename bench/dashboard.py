@@ -142,7 +142,7 @@ def main() -> None:
         table.add_column(col)
     for r in rows:
         table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
-    Console().print(table)
+    Console(width=160).print(table)
     results = ROOT / "bench" / "results" / "dashboard.json"
     results.write_text(json.dumps({"seconds": a.seconds, "rows": rows}, indent=1))
     print(results)
