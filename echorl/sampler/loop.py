@@ -359,8 +359,9 @@ class Heartbeat:
     machine, long completions), and a sampler the broker hears nothing from is lost."""
 
     def __init__(self, client: BrokerClient, sampler_id: str, interval: float, sampler: Sampler):
-        # Its own connections, and no retries: a missed beat is retried by the next one.
-        self.client = BrokerClient(**client.settings() | {"retries": 0})
+        # Its own connections, no retries, and no longer a wait than a beat's interval: a
+        # missed beat is retried by the next one, never held up by one stuck on a bad link.
+        self.client = BrokerClient(**client.settings() | {"retries": 0, "timeout": max(1.0, interval)})
         self.sampler_id, self.interval = sampler_id, interval
         self.sampler = sampler
         self.done = threading.Event()
