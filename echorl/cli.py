@@ -405,6 +405,47 @@ def broker(
     )
 
 
+@app.command()
+def dashboard(
+    run: Path = typer.Argument(..., help="an `echorl run` folder (running or finished)"),
+    port: int = typer.Option(0, help="listen port (0: any free)"),
+) -> None:
+    """Serve the dashboard for a run: its live broker's when it runs (the URL is printed),
+    else a broker started on its data dir (read: it trains nothing) until Ctrl-C."""
+    import httpx
+
+    from echorl.launch.local import read_access
+
+    try:
+        access = read_access(run)
+    except ValueError as e:
+        console.print(Text(f"{run}: {e}", style="red"))
+        raise typer.Exit(2) from None
+    link = lambda url: f"{url}/ui?token={access['trainer_token']}"  # noqa: E731
+    try:
+        httpx.get(access["url"] + "/healthz", timeout=2).raise_for_status()
+        console.print(Text(f"the run's broker is up: {link(access['url'])}"), soft_wrap=True)
+        return
+    except httpx.HTTPError:
+        pass
+    import uvicorn
+
+    from echorl.broker.app import SetupError, create_app
+    from echorl.launch.local import free_port
+
+    cfg = _config(run / "config.yaml", [f"broker.trainer_token={access['trainer_token']}"])
+    cfg.broker.sampler_token = access["sampler_token"]
+    cfg.broker.port = port or free_port(0)
+    try:
+        api = create_app(cfg)
+    except SetupError as e:
+        console.print(f"[red]{run}: cannot open its broker state:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    url = f"http://127.0.0.1:{cfg.broker.port}"
+    console.print(Text(f"{run}, finished: {link(url)}  (Ctrl-C stops)"), soft_wrap=True)
+    uvicorn.run(api, host="127.0.0.1", port=cfg.broker.port, log_level="warning")
+
+
 def _stop_on_signals():
     """An event set by SIGTERM or SIGINT: the process finishes what it holds, then exits."""
     from echorl.stopping import Stop

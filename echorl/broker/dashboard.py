@@ -51,14 +51,25 @@ class Board:
         self.lock = threading.Lock()
         self.made_at, self.made = 0.0, b""
 
-    def stepped(self, step: int, origins: list[tuple[int, str, str]]) -> None:
+    def load(self, store) -> None:
+        """The trainer's last `STEPS_KEPT` steps from the store: a restarted broker, or one
+        started on a finished run's data dir (`echorl dashboard`), draws them too."""
+        by_step: dict[int, list] = {}
+        for step, version, rewards in store.consumed_tail(STEPS_KEPT):
+            by_step.setdefault(step, []).append((version, "", rewards))
+        for step in sorted(by_step):
+            self.stepped(step, by_step[step], when=None)
+
+    def stepped(
+        self, step: int, origins: list[tuple[int, str, str]], when: float | None = 0.0
+    ) -> None:
         """The trainer acknowledged step `step`'s groups: (version, operator, rewards JSON)."""
         rewards = [r for _, _, js in origins for r in json.loads(js or "[]")]
         versions = [v for v, _, _ in origins]
         self.steps.append(
             {
                 "step": step,
-                "time": time.time(),
+                "time": time.time() if when is not None else None,
                 "reward": sum(rewards) / len(rewards) if rewards else None,
                 "staleness": sum(step - v for v in versions) / len(versions),
                 "staleness_max": max(step - v for v in versions),

@@ -543,6 +543,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         standing=standing,
     )
     st.standing.observe(store.standing_rows())
+    st.board.load(store)  # the steps trained before a restart, for the dashboard
     for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group, st.standing.turn(group.sampler or ""))
     return st

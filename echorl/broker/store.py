@@ -848,6 +848,17 @@ class BrokerStore(SwarmBook):
             ).fetchall()
         )
 
+    def consumed_tail(self, steps: int) -> list[tuple[int, int, str]]:
+        """(step, version, rewards JSON) of the groups consumed in the last `steps` steps."""
+        return self._tx(
+            lambda c: c.execute(
+                "SELECT consumed_step, version, rewards FROM rollouts WHERE state = 'consumed' "
+                "AND consumed_step > (SELECT COALESCE(MAX(consumed_step), 0) FROM rollouts "
+                "WHERE state = 'consumed') - ? ORDER BY consumed_step",
+                (steps,),
+            ).fetchall()
+        )
+
     def recent_groups(self, sampler_id: str, n: int) -> list[dict]:
         """A sampler's `n` most recent groups: job, version, state, rewards, when."""
         rows = self._tx(

@@ -89,3 +89,39 @@ def test_the_dashboard_follows_a_live_swarm_in_a_browser(tmp_path):
             p.communicate(timeout=60)
         stop_broker(proc)
     assert errors == []
+
+
+def test_a_finished_runs_dashboard_is_served_from_its_files(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.conftest import echorl_run
+
+    model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
+    out = tmp_path / "run"
+    echorl_run(out, f"model.path={model}", "train.steps=3", *RUN[1::2])
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "echorl.cli", "dashboard", str(out), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        token = json.loads((out / "access.json").read_text())["trainer_token"]
+        headers = {"Authorization": f"Bearer {token}"}
+
+        def snapshot():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ui/api/snapshot", headers=headers).json()
+            except httpx.HTTPError:
+                return None
+
+        snap = wait_until(snapshot, timeout=60, what="the finished run's dashboard")
+        assert [s["step"] for s in snap["steps"]] == [0, 1, 2]  # as the trainer acked them
+        assert snap["status"]["latest_version"] == 3
+        assert snap["status"]["samplers"][0]["consumed"] == 3 * 4
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
