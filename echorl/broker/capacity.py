@@ -23,11 +23,13 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+from collections import OrderedDict, deque
 
 from echorl.protocol import Capacity, SamplerStatus
 
 EMA = 0.2  # weight of the newest step in the trainer's averages
 TRUSTED = ("proven", "trusted (no probation)")  # standings whose numbers count
+OWN_KEPT = 10_000  # samplers whose own fetch times are kept (the most recent)
 VERSIONS_KEPT = 16  # versions whose spread is tracked
 
 
@@ -41,6 +43,8 @@ class Pace:
         self.step_s: float | None = None  # wall time between acks
         self.last_ack: float | None = None
         self.fetch_s: dict[int, dict[str, float]] = {}  # version -> sampler -> fetch and load
+        # Each sampler's own recent fetches (any sampler's: only its own account shows them).
+        self.own: OrderedDict[str, deque[float]] = OrderedDict()
         self.lock = threading.Lock()
 
     def step(self, train_s: float, tokens: int, now: float) -> None:
@@ -61,10 +65,20 @@ class Pace:
             for old in [v for v in self.fetch_s if v <= version - VERSIONS_KEPT]:
                 del self.fetch_s[old]
 
+    def told(self, who: str, seconds: float | None) -> None:
+        """Sampler `who` (trusted or not) loaded a version in `seconds`: for its own account."""
+        if seconds is None:
+            return
+        with self.lock:
+            self.own.setdefault(who, deque(maxlen=8)).append(seconds)
+            self.own.move_to_end(who)
+            if len(self.own) > OWN_KEPT:
+                self.own.popitem(last=False)
+
     def fetch_of(self, who: str) -> float | None:
         """Sampler `who`'s fetch and load of a version, the median of its recent ones."""
         with self.lock:
-            told = [by[who] for by in self.fetch_s.values() if who in by]
+            told = list(self.own.get(who, ()))
         return statistics.median(told) if told else None
 
     def dissemination_s(self) -> float | None:

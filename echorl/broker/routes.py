@@ -173,6 +173,8 @@ async def heartbeat(
     now = time.time()
     held, foreign = body.version_held, st.foreign(body)
     await st.write(st.store.heartbeat, sampler_id, now, held, foreign)
+    if not foreign:
+        st.pace.told(sampler_id, body.fetch_s)  # its own account's
     if not foreign and st.standing.trusted(sampler_id):  # one unproven word moves nothing
         st.pace.fetched(body.version_held, body.fetch_s, sampler_id)
         if body.fetch_s is not None:

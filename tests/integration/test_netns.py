@@ -169,3 +169,48 @@ def test_a_sampler_whose_cable_is_pulled_mid_job_is_replaced(tmp_path):
     )
     assert consumed == [(s, 4, 4) for s in range(20)]
     assert len(read_jsonl(tmp_path / "t" / "metrics.jsonl")) >= 20
+
+
+def test_a_sampler_behind_a_slow_link_whose_groups_go_stale_is_named_with_the_cure(tmp_path):
+    """Two samplers, async, staleness 1: one on the host, one behind a 6 Mbit/s cable, where
+    each version (3.6 MB) takes seconds against a trainer step of a fraction of one. Its
+    groups all go stale; `echorl status` names it, with the time a version takes it, and the
+    cures (before: a total `stale=115` and the median sampler's fetch time hid it)."""
+    from echorl.models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
+    run = ["-o", "train.batch_prompts=4", "-o", "train.group_size=2", "-o", "broker.mode=async"]
+    run += ["-o", "broker.max_staleness=1", "-o", "sampling.max_new_tokens=8"]
+    run += ["-o", "train.drop_flat_groups=false", "-o", "train.eval_prompts=4"]
+    data = tmp_path / "b"
+    broker, url = start_broker(data, free_port(), "-o", "broker.host=0.0.0.0", *run)
+    remote = f"http://{HOST_IP}:{url.rsplit(':', 1)[1]}"
+    procs = []
+    try:
+        with Net() as net:
+            link = net.add("slowbox", mbit=6)
+            procs.append(start_sampler(remote, model, "slowbox", *run, inside=link.exec()))
+            procs.append(start_sampler(url, model, "fastbox", *run))
+            procs.append(start_trainer(url, model, tmp_path / "t", "-o", "train.steps=100000", *run))
+            account = "SELECT pushed, stale FROM samplers WHERE name = 'slowbox'"
+            wait_until(lambda: (query(data, account) or [(0, 0)])[0][1] >= 8, timeout=240,
+                       what="8 of the slow sampler's groups dropped stale")
+            env = os.environ | {"ECHORL_TOKEN": TRAINER, "COLUMNS": "400"}
+            shown = subprocess.run(
+                [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
+                env=env, capture_output=True, text=True, timeout=60,
+            ).stdout
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.communicate(timeout=60)
+        stop_broker(broker)
+    said = " ".join(shown.split())
+    line = re.search(r"slowbox \(\w+\): (all|\d+) of its \d+ groups dropped stale: a version "
+                     r"takes it ([\d.]+) s against a ([\d.]+) s step; try [^\n]*", said)
+    assert line, said
+    assert float(line.group(2)) > 3 * float(line.group(3))
+    assert "broker.sampler_dtype=bfloat16" in line.group(0) and "sampler.serve_peers" in line.group(0)
+    assert "broker.max_staleness >=" in line.group(0)
+    assert [w for w in shown.splitlines() if "dropped stale" in w and "fastbox" in w] == []
