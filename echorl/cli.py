@@ -658,11 +658,13 @@ def trainer(
     """Run the trainer against a broker: pull, update, ack, publish the next version.
     SIGTERM checkpoints and exits; --resume continues exactly."""
     fields = {"train.out_dir": out, "model.path": model}
-    cfg = _config(config, override, **fields)
-    cfg = _resumable(cfg, config, override, fields, resume, keep=True)
+    cfg = _resumable(_config(config, override, **fields), config, override, fields, resume)
     _model_path(cfg)
     _own_code(cfg)
     cpus, url = _cpu_set(io_cpus), _broker_url(broker_url, cfg)
+    saved = Path(cfg.train.out_dir) / "config.yaml"
+    if not resume and not (config is not None and saved.is_file() and config.samefile(saved)):
+        save_config(cfg, saved)  # what --resume reads back (`echorl run` wrote its own)
     _quiet_transformers()
     _threads(cfg)
     from echorl.client import BrokerClient, BrokerError
@@ -745,26 +747,16 @@ def _swarm_config(path: Path | None, out: str | None, override: list[str], resum
 
 
 def _resumable(
-    cfg: RunConfig,
-    path: Path | None,
-    override: list[str] | None,
-    fields: dict,
-    resume: bool,
-    keep: bool = False,
+    cfg: RunConfig, path: Path | None, override: list[str] | None, fields: dict, resume: bool
 ) -> RunConfig:
     """Resumed, the run's own config: its folder's `config.yaml` with the file and flags given
     over it (refused, before anything is written, where they change what the run is:
-    `config.resume_config`). `keep`: a fresh start writes that file (the trainer by hand;
-    `echorl run` writes its own, and starts its trainer on it)."""
+    `config.resume_config`)."""
     saved = Path(cfg.train.out_dir) / "config.yaml"
-    if path is not None and saved.is_file() and path.resolve() == saved.resolve():
+    if not resume or not saved.is_file():
+        return cfg
+    if path is not None and path.resolve() == saved.resolve():
         return cfg  # the run's own file already
-    if not resume:
-        if keep:
-            save_config(cfg, saved)
-        return cfg
-    if not saved.is_file():
-        return cfg
     extra = [f"{k}={v}" for k, v in fields.items() if v is not None]
     try:
         return resume_config(saved, path, [*extra, *(override or [])])
@@ -936,18 +928,17 @@ def _status_view(st) -> list:
         "backend",
         "version held",
         "tokens/s",
-        "fetch s",
         "last seen (s ago)",
         "state",
-        "pushed",
-        "consumed",
-        "stale",
-        "refused",
-        "lapsed",
-        "holds",
     ):
         table.add_column(col)
-    now = time.time()
+    # Each sampler's account: what it pushed and what became of it (broker/swarm.py ACCOUNT).
+    accounts = Table(title="accounts (groups; jobs for cancelled, lapsed and held)")
+    for col in ("name", "fetch s", "pushed", "consumed", "share", "stale", "refused"):
+        accounts.add_column(col)
+    for col in ("flat", "cancelled", "lapsed", "holds"):
+        accounts.add_column(col)
+    now, total = time.time(), sum(s.consumed for s in st.samplers)
     for s in st.samplers:
         table.add_row(  # what samplers wrote is shown as text, never as markup
             Text(s.id),
@@ -956,17 +947,23 @@ def _status_view(st) -> list:
             Text(s.backend),
             str(s.version_held),
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
-            "-" if s.fetch_s is None else f"{s.fetch_s:.2f}",
             f"{now - s.last_seen:.0f}",
             s.state,
+        )
+        accounts.add_row(
+            Text(printable(s.name)),
+            "-" if s.fetch_s is None else f"{s.fetch_s:.2f}",
             str(s.pushed),
             str(s.consumed),
+            f"{s.consumed / total:.0%}" if total else "-",
             str(s.stale),
             str(s.refused),
+            str(s.flat),
+            str(s.cancelled),
             str(s.lapsed),
             str(s.leased),
         )
-    out.append(table)
+    out += [table, accounts]
     for line in warnings(st):
         out.append(Text(line, style="yellow"))
     if held := holding(st, now):
