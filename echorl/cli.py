@@ -939,6 +939,7 @@ def _status_view(st) -> list:
     for col in ("flat", "cancelled", "lapsed", "holds"):
         accounts.add_column(col)
     now, total = time.time(), sum(s.consumed for s in st.samplers)
+    busy = lambda s: s.pushed or s.leased or s.lapsed or s.cancelled  # noqa: E731
     for s in st.samplers:
         table.add_row(  # what samplers wrote is shown as text, never as markup
             Text(s.id),
@@ -950,6 +951,8 @@ def _status_view(st) -> list:
             f"{now - s.last_seen:.0f}",
             s.state,
         )
+        if not busy(s):
+            continue  # nothing in its account: not listed twice
         accounts.add_row(
             Text(printable(s.name)),
             "-" if s.fetch_s is None else f"{s.fetch_s:.2f}",
@@ -963,7 +966,7 @@ def _status_view(st) -> list:
             str(s.lapsed),
             str(s.leased),
         )
-    out += [table, accounts]
+    out += [table, accounts] if accounts.rows else [table]
     for line in warnings(st):
         out.append(Text(line, style="yellow"))
     if held := holding(st, now):
