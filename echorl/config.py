@@ -10,6 +10,7 @@ Unknown keys are errors, so a typo never silently does nothing.
 from __future__ import annotations
 
 import ipaddress
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -893,9 +894,9 @@ def save_config(cfg: RunConfig, path: Path) -> None:
     """`cfg` as the run's `config.yaml` (what `--resume` reads back), without its tokens (they
     come from the environment); written whole or not at all."""
     data = cfg.model_dump(mode="json")
-    data["broker"] |= {"trainer_token": None, "sampler_token": None}
+    data["broker"] |= {"trainer_token": None, "sampler_token": None, "viewer_token": None}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".yaml.tmp")
+    tmp = path.with_suffix(f".yaml.{os.getpid()}.tmp")  # torchrun's ranks write it at once
     tmp.write_text(yaml.safe_dump(data, sort_keys=False))
     tmp.replace(path)
 

@@ -16,8 +16,14 @@ from pathlib import Path
 
 
 def tracking(cfg) -> tuple[dict, dict]:
-    """What MetricsLog needs of a RunConfig for its trackers: their settings, the config."""
-    return cfg.metrics.model_dump(), cfg.model_dump(mode="json")
+    """What MetricsLog needs of a RunConfig for its trackers: their settings, the config
+    (without its tokens: a tracker's server is no place for them)."""
+    config = cfg.model_dump(mode="json")
+    config["broker"] |= dict.fromkeys(TOKENS)
+    return cfg.metrics.model_dump(), config
+
+
+TOKENS = ("trainer_token", "sampler_token", "viewer_token")  # never written out nor sent
 
 
 class MetricsLog:

@@ -134,9 +134,9 @@ async def events(request: Request) -> StreamingResponse:
     board: Board = st.board
     if board.viewers >= MAX_VIEWERS:
         raise TooMany(f"{MAX_VIEWERS} dashboards are open already")
-    board.viewers += 1
 
-    async def stream():
+    async def stream():  # counted while it runs: a page gone before its first byte never was
+        board.viewers += 1
         try:
             while not await request.is_disconnected():
                 made = await asyncio.to_thread(board.snapshot, lambda: make_snapshot(st))

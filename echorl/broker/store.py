@@ -722,8 +722,8 @@ class BrokerStore(SwarmBook):
                 state = "ready"
                 if self.refill_flat and len(set(rewards)) == 1:
                     (set_aside,) = c.execute(
-                        "SELECT COUNT(*) FROM rollouts WHERE flat = 1 AND version = "
-                        "(SELECT version FROM rollouts WHERE job_id = ?)",
+                        "SELECT COUNT(*) FROM rollouts WHERE state = 'stale' AND flat = 1 "
+                        "AND version = (SELECT version FROM rollouts WHERE job_id = ?)",
                         (job_id,),
                     ).fetchone()
                     state = "stale" if set_aside < self.refill_flat else "ready"

@@ -250,6 +250,7 @@ def resolved_config(cfg: RunConfig, out: Path, model_dir: Path, port: int) -> Pa
     data["broker"] |= {"data_dir": str(out / "broker"), "port": port, "host": "127.0.0.1"}
     data["broker"] |= {"url": None, "insecure_no_auth": False}
     data["broker"] |= {"trainer_token": None, "sampler_token": None}  # from the environment
+    data["broker"]["viewer_token"] = None
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -309,6 +310,8 @@ def launch(
         "ECHORL_SAMPLER_TOKEN": secrets.token_hex(16),
         "HF_HUB_OFFLINE": "1",
     }
+    if cfg.broker.viewer_token:  # to the broker by its environment, never in config.yaml
+        env["ECHORL_VIEWER_TOKEN"] = cfg.broker.viewer_token
     split = core_split(cfg)
     trainer_cores, other_cores = split or (None, None)
     n = cfg.launch.auditors

@@ -41,7 +41,12 @@ def items(update) -> dict:
 
 def test_wandb_offline_gets_config_steps_and_summary(tmp_path):
     pytest.importorskip("wandb")
-    cfg = load_config(None, ["metrics.wandb=true", "train.steps=3", "metrics.run_name=mine"])
+    secret = "s3cr3t" * 4
+    cfg = load_config(
+        None,
+        ["metrics.wandb=true", "train.steps=3", "metrics.run_name=mine"]
+        + [f"broker.trainer_token={secret}", f"broker.viewer_token={secret}"],
+    )
     log = MetricsLog(tmp_path / "metrics.jsonl", tracking=tracking(cfg))
     for r in RECORDS:
         log.write(r)
@@ -58,6 +63,8 @@ def test_wandb_offline_gets_config_steps_and_summary(tmp_path):
     assert run.display_name == "mine"
     config = items(run.config.update)
     assert config["train"]["steps"] == 3 and config["metrics"]["wandb"] is True
+    assert config["broker"]["trainer_token"] is None and config["broker"]["viewer_token"] is None
+    assert secret.encode() not in next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     summary = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
