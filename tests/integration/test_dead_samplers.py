@@ -51,6 +51,7 @@ def holds(data, name) -> bool:
     )
 
 
+@pytest.mark.long  # ~25 s each: CI's second stage, beside the default suite's 15 minutes
 def test_a_sampler_killed_by_hand_costs_a_sync_run_seconds(tmp_path, model):
     broker, url = start_broker(tmp_path / "b", free_port(), *RUN)
     samplers = [start_sampler(url, model, name, *RUN) for name in ("victim", "survivor")]
@@ -72,6 +73,7 @@ def test_a_sampler_killed_by_hand_costs_a_sync_run_seconds(tmp_path, model):
     assert lapsed[0][0] >= 1  # its jobs came back as a lapse, long before it was lost
 
 
+@pytest.mark.long
 def test_a_sampler_killed_under_echorl_run_costs_seconds(tmp_path, model):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "echorl.cli", "run", "--out", str(out), "-o", "broker.port=0"]

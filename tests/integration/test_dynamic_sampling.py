@@ -9,6 +9,7 @@ import pytest
 from tests.integration.conftest import echorl_run, query, read_jsonl
 
 
+@pytest.mark.long  # ~25 s each: CI's second stage, beside the default suite's 15 minutes
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_every_step_has_b_informative_groups(tmp_path, warm_add, mode):
     out = tmp_path / mode

@@ -171,6 +171,7 @@ def test_a_sampler_whose_cable_is_pulled_mid_job_is_replaced(tmp_path):
     assert len(read_jsonl(tmp_path / "t" / "metrics.jsonl")) >= 20
 
 
+@pytest.mark.long  # ~60 s: CI's second stage (the default suite reached 15:51 with it)
 def test_a_sampler_behind_a_slow_link_whose_groups_go_stale_is_named_with_the_cure(tmp_path):
     """Two samplers, async, staleness 1: one on the host, one behind a 6 Mbit/s cable, where
     each version (3.6 MB) takes seconds against a trainer step of a fraction of one. Its
