@@ -411,7 +411,7 @@ def dashboard(
     port: int = typer.Option(0, help="listen port (0: any free)"),
 ) -> None:
     """Serve the dashboard for a run: its live broker's when it runs (the URL is printed),
-    else a broker started on its data dir (read: it trains nothing) until Ctrl-C."""
+    else a read-only broker on its data dir (it changes nothing there) until Ctrl-C."""
     import httpx
 
     from echorl.launch.local import read_access
@@ -437,7 +437,7 @@ def dashboard(
     cfg.broker.sampler_token = access["sampler_token"]
     cfg.broker.port = port or free_port(0)
     try:
-        api = create_app(cfg)
+        api = create_app(cfg, read_only=True)
     except SetupError as e:
         console.print(f"[red]{run}: cannot open its broker state:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
@@ -938,6 +938,11 @@ def _status_view(st) -> list:
         accounts.add_column(col)
     for col in ("flat", "cancelled", "lapsed", "holds"):
         accounts.add_column(col)
+    priced = any(s.cost_per_hour is not None for s in st.samplers)
+    if priced:  # where samplers told their price: what each cost per token it delivered
+        accounts.add_column("spent")
+        accounts.add_column("cost/Mtok")
+    money = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     now, total = time.time(), sum(s.consumed for s in st.samplers)
     busy = lambda s: s.pushed or s.leased or s.lapsed or s.cancelled  # noqa: E731
     for s in st.samplers:
@@ -965,6 +970,7 @@ def _status_view(st) -> list:
             str(s.cancelled),
             str(s.lapsed),
             str(s.leased),
+            *((money(s.spent), money(s.cost_per_mtoken)) if priced else ()),
         )
     out += [table, accounts] if accounts.rows else [table]
     for line in warnings(st):

@@ -59,6 +59,8 @@ from echorl.protocol import (
     StatusReply,
     Took,
     TrainerHello,
+    TrainerMetrics,
+    TrainerMetricsReply,
     WeightSource,
     WeightVersion,
 )
@@ -440,6 +442,12 @@ class BrokerClient:
         """Resume: tell the broker where the trainer's checkpoint left off."""
         return self._post(
             "/v1/trainer/rewind", RewindRequest(step=step, consumed=consumed), RewindReply
+        )
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's numbers as the trainer logged them, for the broker's dashboard."""
+        self._post(
+            "/v1/trainer/metrics", TrainerMetrics(step=step, metrics=metrics), TrainerMetricsReply
         )
 
     def audit(self, report: AuditReport) -> dict[str, str]:

@@ -500,6 +500,8 @@ class SamplerStatus(_Wire):
     lapsed: int = 0
     leased: int = 0
     fetch_s: float | None = None  # a version's download and load, the median of its last ones
+    spent: float | None = None  # cost_per_hour x the time it has been registered
+    cost_per_mtoken: float | None = None  # spent per million tokens the trainer consumed
 
 
 class Capacity(_Wire):
@@ -712,6 +714,19 @@ class GroupAudit(_Wire):
     # Scored under the very weights of the group's version (the trainer's current ones, or
     # those it kept for that version): judged against 0, never against other samplers' groups.
     exact: bool = False
+    # The trainer's log-prob of each completion token (0 at the environment's), for one group
+    # a step: the dashboard's drill-down draws them beside the sampler's.
+    logprobs: list[Annotated[list[float], Field(max_length=MAX_COMPLETION_TOKENS)]] | None = Field(
+        None, max_length=MAX_GROUP_SIZE
+    )
+
+    @field_validator("logprobs")
+    @classmethod
+    def _token_logprobs(cls, rows: list[list[float]] | None) -> list[list[float]] | None:
+        for i, row in enumerate(rows or []):
+            if row and not (min(row) >= MIN_LOGPROB and max(row) <= 0.0):  # NaN fails too
+                raise ValueError(f"logprobs[{i}]: log-probs must be >= {MIN_LOGPROB:g} and <= 0")
+        return rows
 
 
 class AuditReport(_Wire):
@@ -739,6 +754,29 @@ class AuditLease(_Wire):
 
 class AuditReply(_Wire):
     quarantined: dict[str, str]  # sampler id -> why, for samplers quarantined by this report
+
+
+MetricName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_./-]{1,64}$")]
+
+
+class TrainerMetrics(_Wire):
+    """trainer -> broker: a step's numbers as the trainer logged them (reward, held-out eval,
+    its busy and idle seconds, ...), for the dashboard's training view."""
+
+    step: int = Field(ge=0, le=MAX_ID)
+    metrics: dict[MetricName, float] = Field(max_length=256)
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite(cls, metrics: dict[str, float]) -> dict[str, float]:
+        for name, value in metrics.items():
+            if not math.isfinite(value):
+                raise ValueError(f"metrics[{name!r}] = {value}: not finite")
+        return metrics
+
+
+class TrainerMetricsReply(_Wire):
+    step: int
 
 
 class RewindRequest(_Wire):

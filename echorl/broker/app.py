@@ -32,17 +32,20 @@ from echorl.protocol import ProtocolError, TooMany, Unauthorized
 __all__ = ["SetupError", "create_app"]
 
 
-def create_app(cfg: RunConfig) -> FastAPI:
-    """The broker for `cfg`; raises SetupError (one line) when it cannot serve the run."""
-    st = build_state(cfg)
+def create_app(cfg: RunConfig, read_only: bool = False) -> FastAPI:
+    """The broker for `cfg`; raises SetupError (one line) when it cannot serve the run.
+    `read_only`: a finished run's broker, to look at (`echorl dashboard`): its store opened
+    read-only, nothing expired, every call but a GET refused (405)."""
+    st = build_state(cfg, read_only)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
         st.jobs_bell.loop = st.groups_bell.loop = st.audits_bell.loop = loop
-        reaper = asyncio.create_task(expire_forever(st))
+        reaper = None if read_only else asyncio.create_task(expire_forever(st))
         yield
-        reaper.cancel()
+        if reaper is not None:
+            reaper.cancel()
         st.parser.close()
         st.verifier.close()  # its last verdicts go through the writer
         st.writer.close()
@@ -50,6 +53,7 @@ def create_app(cfg: RunConfig) -> FastAPI:
 
     app = FastAPI(title="echorl broker", version="1", lifespan=lifespan)
     app.state.broker = st
+    app.state.read_only = read_only
     app.add_middleware(Gate)
     app.add_exception_handler(ProtocolError, protocol_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
@@ -98,6 +102,9 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st = scope["app"].state.broker
+        if scope["app"].state.read_only and scope["method"] not in ("GET", "HEAD"):
+            why = "this broker shows a finished run (echorl dashboard): it changes nothing"
+            return await JSONResponse({"detail": why}, 405)(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
         b = st.cfg.broker
         limit = b.max_weights_bytes if path.startswith("/v1/weights/") else b.max_body_bytes

@@ -13,10 +13,11 @@ on it. Every asset is in the package (`broker/ui/`): no CDN at run time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from importlib import resources
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -28,13 +29,15 @@ from fastapi.responses import (
     StreamingResponse,
 )
 
-from echorl.protocol import NotFound, TooMany, Unauthorized
+from echorl.protocol import NotFound, ProtocolError, TooMany, Unauthorized, WeightVersion
 
 COOKIE = "echorl_ui"
 SNAPSHOT_S = 1.0  # a snapshot is this fresh at most
 PUSH_S = 2.0  # each open page gets one this often
 MAX_VIEWERS = 32
 STEPS_KEPT = 2000  # the trainer's recent steps the training view draws
+VERSIONS_SHOWN = 20  # the versions view's timeline
+MAX_ARRIVALS = 4096  # samplers timed per version
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 
 ui = APIRouter(include_in_schema=False)
@@ -46,19 +49,25 @@ class Board:
 
     def __init__(self) -> None:
         self.steps: deque[dict] = deque(maxlen=STEPS_KEPT)
-        self.published: deque[tuple[int, float]] = deque(maxlen=200)
+        # The last VERSIONS_SHOWN versions: published when, how big (full, and as a delta),
+        # and each sampler's arrival: {sampler: (seconds after publish, fetch and load s)}.
+        self.versions: OrderedDict[int, dict] = OrderedDict()
         self.viewers = 0
         self.lock = threading.Lock()
         self.made_at, self.made = 0.0, b""
 
-    def load(self, store) -> None:
-        """The trainer's last `STEPS_KEPT` steps from the store: a restarted broker, or one
-        started on a finished run's data dir (`echorl dashboard`), draws them too."""
+    def load(self, store, weights) -> None:
+        """The trainer's last `STEPS_KEPT` steps from the store, and the versions still
+        stored (published when their file was written): a restarted broker, or one started
+        on a finished run's data dir (`echorl dashboard`), draws them too."""
         by_step: dict[int, list] = {}
         for step, version, rewards in store.consumed_tail(STEPS_KEPT):
             by_step.setdefault(step, []).append((version, "", rewards))
         for step in sorted(by_step):
             self.stepped(step, by_step[step], when=None)
+        for version in weights.versions()[-VERSIONS_SHOWN:]:
+            with contextlib.suppress(ProtocolError, OSError):  # forgotten as we looked
+                self.publish(weights.describe(version), weights.file(version).stat().st_mtime)
 
     def stepped(
         self, step: int, origins: list[tuple[int, str, str]], when: float | None = 0.0
@@ -73,9 +82,28 @@ class Board:
                 "reward": sum(rewards) / len(rewards) if rewards else None,
                 "staleness": sum(step - v for v in versions) / len(versions),
                 "staleness_max": max(step - v for v in versions),
+                "staleness_counts": dict(Counter(step - v for v in versions)),
                 "groups": len(origins),
             }
         )
+
+    def publish(self, described: WeightVersion, when: float) -> None:
+        """Version `described` was published at `when`."""
+        self.versions[described.version] = {
+            "version": described.version,
+            "published": when,
+            "bytes": described.size_bytes,
+            "delta_bytes": described.delta_bytes,
+            "arrived": {},
+        }
+        while len(self.versions) > VERSIONS_SHOWN:
+            self.versions.popitem(last=False)
+
+    def arrived(self, version: int | None, sampler_id: str, when: float, fetch_s: float) -> None:
+        """Sampler `sampler_id` says at `when` that it loaded `version` in `fetch_s`."""
+        v = self.versions.get(version)
+        if v is not None and len(v["arrived"]) < MAX_ARRIVALS:
+            v["arrived"].setdefault(sampler_id, (round(when - v["published"], 3), fetch_s))
 
     def snapshot(self, make) -> bytes:
         """The shared snapshot (`make()` builds one), at most `SNAPSHOT_S` old."""
@@ -168,20 +196,23 @@ def sampler_groups(request: Request, sampler_id: str) -> JSONResponse:
 @ui.get("/ui/api/group/{job_id}", dependencies=[VIEWER])
 def group(request: Request, job_id: int) -> JSONResponse:
     """One group, drilled into: the prompt, each completion's tokens with the sampler's
-    behaviour log-probs, the broker's rewards, the versions of its turns."""
+    behaviour log-probs and, for the groups the trainer sent them (one a step), its own;
+    the broker's rewards, the versions of its turns."""
     st = request.app.state.broker
     row = st.store.group_detail(job_id)
     if row is None:
         raise NotFound(f"no stored group for job {job_id}")
     body = json.loads(row["body"])
+    trainer = json.loads(row["trainer_logprobs"] or "null") or [None] * len(body["completions"])
     completions = []
-    for c in body["completions"]:
+    for c, mine in zip(body["completions"], trainer):
         tokens = [st.codec.decode([t]) for t in c["token_ids"]]
         completions.append(
             {
                 "text": st.codec.decode(c["token_ids"]),
                 "tokens": tokens,
                 "logprobs": c["logprobs"],
+                "trainer_logprobs": mine,
                 "turns": c.get("turns"),
             }
         )
@@ -214,11 +245,32 @@ def make_snapshot(st) -> bytes:
             "warnings": warnings(status),
             "holding": holding(status, time.time()),
             "steps": list(st.board.steps)[-500:],
-            "published": list(st.board.published)[-50:],
+            "versions": versions_shown(st),
+            "trainer": [trained(r) for r in st.store.trainer_metrics(500)],
             "capacity": describe(status.capacity) if status.capacity else [],
             "viewers": st.board.viewers,
         }
     ).encode()
+
+
+TRAINER_SHOWN = ("reward/mean", "trainer/step_s", "trainer/wall_s", "trainer/idle_s")
+TRAINER_SHOWN += ("verifier/errors", "rollout/staleness_mean")
+
+
+def trained(record: dict) -> dict:
+    """What the training view draws of a trainer's metrics record: a few of its numbers,
+    and every held-out evaluation's."""
+    return {k: v for k, v in record.items() if k == "step" or k in TRAINER_SHOWN or k[:5] == "eval/"}
+
+
+def versions_shown(st) -> list[dict]:
+    """The recent versions, newest first, each with its arrivals and its fan-out tree: the
+    source the broker named to each sampler ("@broker" or a peer's id)."""
+    named = st.fanout.tree()
+    return [
+        v | {"arrived": dict(v["arrived"]), "from": named.get(v["version"], {})}
+        for v in reversed(list(st.board.versions.values()))
+    ]
 
 
 def _asset(name: str) -> bytes:

@@ -87,6 +87,14 @@ class FanOut:
             self.by_url[url] = sampler_id
         return secret
 
+    def tree(self) -> dict[int, dict[str, str]]:
+        """The recent versions' fan-out trees: version -> {sampler: the source named to it}."""
+        with self.lock:
+            trees: dict[int, dict[str, str]] = {}
+            for (version, asker), source in self.named_to.items():
+                trees.setdefault(version, {})[asker] = source
+            return trees
+
     def forget(self, sampler_id: str) -> None:
         """Gone (left, revoked, quarantined): never named again."""
         with self.lock:

@@ -68,6 +68,8 @@ from echorl.protocol import (
     SourceRequest,
     StatusReply,
     TrainerHello,
+    TrainerMetrics,
+    TrainerMetricsReply,
     WeightSource,
     WeightVersion,
 )
@@ -175,6 +177,8 @@ async def heartbeat(
     await st.write(st.store.heartbeat, sampler_id, now, held, foreign)
     if not foreign:
         st.pace.told(sampler_id, body.fetch_s)  # its own account's
+        if body.fetch_s is not None:  # told once, as it has loaded the version
+            st.board.arrived(held, sampler_id, now, body.fetch_s)
     if not foreign and st.standing.trusted(sampler_id):  # one unproven word moves nothing
         st.pace.fetched(body.version_held, body.fetch_s, sampler_id)
         if body.fetch_s is not None:
@@ -214,7 +218,9 @@ def lost(body: LostRequest, st: BrokerState = State) -> RevokeReply:
     returned = st.store.lost_by_name(body.name, time.time())
     if returned:
         st.jobs_bell.ring()
-    log.warning("sampler %s died (its supervisor says); %d leased jobs returned", body.name, returned)
+    log.warning(
+        "sampler %s died (its supervisor says); %d leased jobs returned", body.name, returned
+    )
     return RevokeReply(returned=returned)
 
 
@@ -387,6 +393,13 @@ async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
     return AckReply(consumed=consumed)
 
 
+@router.post("/v1/trainer/metrics", dependencies=[TRAINER])
+async def trainer_metrics(body: TrainerMetrics, st: BrokerState = State) -> TrainerMetricsReply:
+    """The trainer's numbers of a step, as it logged them (the dashboard's training view)."""
+    await st.for_trainer(st.store.trainer_logged, body.step, body.metrics)
+    return TrainerMetricsReply(step=body.step)
+
+
 @router.post("/v1/trainer/audit", dependencies=[TRAINER])
 def audit(body: AuditReport, st: BrokerState = State) -> AuditReply:
     """The log-prob check of consumed groups, by the trainer or an auditor; may quarantine
@@ -453,11 +466,12 @@ async def publish(
         st.metrics.dropped.inc(dropped)
         log.info("version %d: %d jobs cancelled, %d groups dropped", version, cancelled, dropped)
     st.metrics.latest.set(version)
-    st.board.published.append((version, time.time()))
     st.jobs_bell.ring()  # a new version admits more jobs
     st.audits_bell.ring()  # and makes an older one final
     st.retain_weights(version)
-    return st.weights.describe(version)
+    described = st.weights.describe(version)
+    st.board.publish(described, time.time())
+    return described
 
 
 # -- weights, for samplers --------------------------------------------------------------------

@@ -161,7 +161,10 @@ class Metrics:
             registry=self.registry,
         )
         self.samplers = Gauge(
-            "broker_samplers", "samplers the broker knows, by state", ["state"], registry=self.registry
+            "broker_samplers",
+            "samplers the broker knows, by state",
+            ["state"],
+            registry=self.registry,
         )
         # Per operator (admin-enrolled names, few: bounded), "" for the shared token.
         self.consumed = Counter(
@@ -430,11 +433,15 @@ def run_tokenizer(model: ModelConfig) -> RunTokenizer:
     return RunTokenizer.from_folder(folder) if folder else RunTokenizer.builtin()
 
 
-def open_store(cfg: RunConfig, task: Task | Environment, codec: RunTokenizer) -> BrokerStore:
+def open_store(
+    cfg: RunConfig, task: Task | Environment, codec: RunTokenizer, read_only: bool = False
+) -> BrokerStore:
     """The data dir's store, checked: the first job can be made as a lease would make it, and
     the data dir serves this run (task, tokenizer, prompt format; recorded at the first
-    start that gets this far). SetupError otherwise."""
+    start that gets this far). SetupError otherwise. `read_only`: a finished run's, shown."""
     data = Path(cfg.broker.data_dir)
+    if read_only and not (data / "broker.sqlite").exists():
+        raise SetupError(f"{data} holds no broker.sqlite")
     data.mkdir(parents=True, exist_ok=True)
     store = BrokerStore(
         data / "broker.sqlite",
@@ -448,6 +455,7 @@ def open_store(cfg: RunConfig, task: Task | Environment, codec: RunTokenizer) ->
         refill_flat=round(cfg.train.dynamic_sampling_max * cfg.train.batch_prompts)
         if cfg.train.dynamic_sampling
         else 0,
+        read_only=read_only,
     )
     identity = {
         "task": task.name,
@@ -471,9 +479,10 @@ def open_store(cfg: RunConfig, task: Task | Environment, codec: RunTokenizer) ->
     return store
 
 
-def build_state(cfg: RunConfig) -> BrokerState:
+def build_state(cfg: RunConfig, read_only: bool = False) -> BrokerState:
     """Everything the routes need, checked: the task builds, the tokenizer loads, and the first
-    job's prompt encodes to ids in the vocabulary. Raises SetupError with the reason."""
+    job's prompt encodes to ids in the vocabulary. Raises SetupError with the reason.
+    `read_only`: a finished run's state, to look at (its store opened read-only)."""
     b = cfg.broker
     try:
         task = get_task(cfg.task.spec)
@@ -486,14 +495,14 @@ def build_state(cfg: RunConfig) -> BrokerState:
     data = Path(b.data_dir)
     fresh = not (data / "broker.sqlite").exists()
     try:
-        store = open_store(cfg, task, codec)
+        store = open_store(cfg, task, codec, read_only)
         try:
             auth = Auth(b, store.secrets(), store.revoked(), store.operators())
         except ValueError as e:
             store.close()
             raise SetupError(str(e)) from None
     except SetupError:
-        if fresh:  # a run that never started leaves nothing behind to resume
+        if fresh and not read_only:  # a run that never started leaves nothing behind to resume
             for name in ("broker.sqlite", "broker.sqlite-wal", "broker.sqlite-shm"):
                 (data / name).unlink(missing_ok=True)
         raise
@@ -543,7 +552,7 @@ def build_state(cfg: RunConfig) -> BrokerState:
         standing=standing,
     )
     st.standing.observe(store.standing_rows())
-    st.board.load(store)  # the steps trained before a restart, for the dashboard
+    st.board.load(store, st.weights)  # what came before a restart, for the dashboard
     for _, created, seed, group in store.scoring():  # stored before a restart
         st.verify_later(seed, created, group, st.standing.turn(group.sampler or ""))
     return st

@@ -100,7 +100,15 @@ CREATE TABLE IF NOT EXISTS audits (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), lease_deadline REAL,
     state TEXT NOT NULL CHECK (state IN ('open', 'leased', 'done', 'missed')));
 CREATE INDEX IF NOT EXISTS audits_by_state ON audits (state, job_id);
+-- The trainer's log-prob of each token of a few groups (one a step, the last TOKENS_KEPT):
+-- the dashboard's drill-down draws them beside the sampler's.
+CREATE TABLE IF NOT EXISTS trainer_logprobs (
+    job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), logprobs TEXT NOT NULL);
+-- The trainer's logged numbers of its last METRICS_KEPT steps: the dashboard's training view.
+CREATE TABLE IF NOT EXISTS trainer_metrics (step INTEGER PRIMARY KEY, metrics TEXT NOT NULL);
 """
+
+METRICS_KEPT = 2000
 
 # Columns added since a data dir could first have been made: (table, column, definition).
 MIGRATIONS = (
@@ -114,10 +122,7 @@ MIGRATIONS = (
     ("rollouts", "parts", "TEXT"),  # a dataset task's rewards, one by one (sums, counts)
     ("rollouts", "flat", "INTEGER NOT NULL DEFAULT 0"),  # set aside by dynamic sampling
     # Each sampler's account (`SwarmBook.account`): what it pushed and what became of it.
-    *(
-        ("samplers", column, "INTEGER NOT NULL DEFAULT 0")
-        for column in ACCOUNT
-    ),
+    *(("samplers", column, "INTEGER NOT NULL DEFAULT 0") for column in ACCOUNT),
 )
 
 WIRE = {"rewards", "sampler", "reward_parts"}  # what a stored body leaves out: added when served
@@ -212,10 +217,12 @@ class BrokerStore(SwarmBook):
         synchronous: str = "NORMAL",
         max_attempts: int = 5,
         refill_flat: int = 0,
+        read_only: bool = False,
     ):
         """`refill_flat`: dynamic sampling (DAPO): up to that many flat groups (every reward
         equal: no advantage) of one version are set aside as scored, never served, and their
-        jobs' place in the budget goes to fresh prompts; 0 = off."""
+        jobs' place in the budget goes to fresh prompts; 0 = off. `read_only`: a finished
+        run's store, shown (`echorl dashboard`): opened so that nothing can write it."""
         assert synchronous in ("NORMAL", "FULL"), (
             f"synchronous must be NORMAL or FULL, not {synchronous}"
         )
@@ -224,28 +231,35 @@ class BrokerStore(SwarmBook):
         # One connection shared by the server's threads; the lock serialises its transactions.
         self.lock = threading.RLock()
         self._batching = False  # a `batch` transaction is open (read by the lock's holder)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(f"PRAGMA synchronous={synchronous}")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)
-        for table, column, definition in MIGRATIONS:
-            if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
-                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
-        self._tx(
-            lambda c: c.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1), "
-                "('cancelled_jobs', 0), ('wasted_groups', 0), ('wasted_tokens', 0), "
-                "('flat_refilled', 0)"
+        self.path, self.read_only = Path(path), read_only
+        # The dashboard's reads: a read-only connection per thread (WAL: they see what is
+        # committed and never wait for the writers' lock).
+        self._readers = threading.local()
+        if read_only:
+            self.db = self._connect_read_only()
+        else:
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute(f"PRAGMA synchronous={synchronous}")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.executescript(SCHEMA)
+            for table, column, definition in MIGRATIONS:
+                if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            self._tx(
+                lambda c: c.execute(
+                    "INSERT OR IGNORE INTO meta VALUES ('cursor', 0), ('latest_version', -1), "
+                    "('cancelled_jobs', 0), ('wasted_groups', 0), ('wasted_tokens', 0), "
+                    "('flat_refilled', 0)"
+                )
             )
-        )
-        # Consumed groups are most of the table and only ever grow: counted, not scanned.
-        self._tx(
-            lambda c: c.execute(
-                "INSERT OR IGNORE INTO meta SELECT 'consumed', COUNT(*) FROM rollouts "
-                "WHERE state = 'consumed'"
+            # Consumed groups are most of the table and only ever grow: counted, not scanned.
+            self._tx(
+                lambda c: c.execute(
+                    "INSERT OR IGNORE INTO meta SELECT 'consumed', COUNT(*) FROM rollouts "
+                    "WHERE state = 'consumed'"
+                )
             )
-        )
         self._latest: int = self.db.execute(
             "SELECT value FROM meta WHERE key = 'latest_version'"
         ).fetchone()[0]
@@ -263,7 +277,7 @@ class BrokerStore(SwarmBook):
             begin, commit, undo = (
                 ("SAVEPOINT call", "RELEASE call", "ROLLBACK TO call; RELEASE call")
                 if self._batching
-                else ("BEGIN IMMEDIATE", "COMMIT", "ROLLBACK")
+                else ("BEGIN" if self.read_only else "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK")
             )
             cur.execute(begin)
             try:
@@ -293,6 +307,23 @@ class BrokerStore(SwarmBook):
                 raise
             finally:
                 self._batching = False
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        uri = f"{self.path.resolve().as_uri()}?mode=ro"
+        return sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+
+    def _read(self, fn):
+        """`fn(cursor)` on this thread's read-only connection, in one snapshot: for what
+        only looks (the dashboard), off the writers' lock."""
+        db = getattr(self._readers, "db", None)
+        if db is None:
+            db = self._readers.db = self._connect_read_only()
+        cur = db.cursor()
+        cur.execute("BEGIN")
+        try:
+            return fn(cur)
+        finally:
+            cur.execute("COMMIT")
 
     def close(self) -> None:
         self.db.close()
@@ -381,7 +412,8 @@ class BrokerStore(SwarmBook):
             )
 
         def fn(c):
-            c.executemany("INSERT OR IGNORE INTO run VALUES (?, ?)", identity.items())
+            if not self.read_only:
+                c.executemany("INSERT OR IGNORE INTO run VALUES (?, ?)", identity.items())
             return dict(c.execute("SELECT key, value FROM run").fetchall())
 
         recorded = self._tx(fn)
@@ -748,9 +780,7 @@ class BrokerStore(SwarmBook):
                     ).fetchone() or (0,)
                     promoted += delivered == 1
             if flat:
-                c.execute(
-                    "UPDATE meta SET value = value + ? WHERE key = 'flat_refilled'", (flat,)
-                )
+                c.execute("UPDATE meta SET value = value + ? WHERE key = 'flat_refilled'", (flat,))
             return ready, refused, promoted, flat
 
         *counts, flat = self._tx(fn)
@@ -807,7 +837,14 @@ class BrokerStore(SwarmBook):
                 if rows:
                     return [make(*r[1:]) for r in rows], 0
             floor = min_version if version is None else version
-            tally(c, "stale", "rollouts", "sampler_id", "t.state = 'ready' AND t.version < ?", (floor,))
+            tally(
+                c,
+                "stale",
+                "rollouts",
+                "sampler_id",
+                "t.state = 'ready' AND t.version < ?",
+                (floor,),
+            )
             dropped = c.execute(
                 "UPDATE rollouts SET state = 'stale' WHERE state = 'ready' AND version < ?",
                 (floor,),
@@ -850,7 +887,7 @@ class BrokerStore(SwarmBook):
 
     def consumed_tail(self, steps: int) -> list[tuple[int, int, str]]:
         """(step, version, rewards JSON) of the groups consumed in the last `steps` steps."""
-        return self._tx(
+        return self._read(
             lambda c: c.execute(
                 "SELECT consumed_step, version, rewards FROM rollouts WHERE state = 'consumed' "
                 "AND consumed_step > (SELECT COALESCE(MAX(consumed_step), 0) FROM rollouts "
@@ -859,29 +896,55 @@ class BrokerStore(SwarmBook):
             ).fetchall()
         )
 
-    def recent_groups(self, sampler_id: str, n: int) -> list[dict]:
-        """A sampler's `n` most recent groups: job, version, state, rewards, when."""
-        rows = self._tx(
+    def trainer_logged(self, step: int, metrics: dict[str, float]) -> None:
+        """The trainer's numbers of `step` (a resumed run's again: the last word stands);
+        only the last METRICS_KEPT steps are kept."""
+
+        def fn(c):
+            c.execute(
+                "INSERT OR REPLACE INTO trainer_metrics VALUES (?, ?)", (step, json.dumps(metrics))
+            )
+            c.execute("DELETE FROM trainer_metrics WHERE step <= ?", (step - METRICS_KEPT,))
+
+        self._tx(fn)
+
+    def trainer_metrics(self, n: int) -> list[dict]:
+        """The trainer's numbers of its last `n` steps, oldest first (each with its step)."""
+        rows = self._read(
             lambda c: c.execute(
-                "SELECT job_id, version, state, rewards, created_at, consumed_step, flat "
-                "FROM rollouts WHERE sampler_id = ? ORDER BY created_at DESC LIMIT ?",
+                "SELECT step, metrics FROM trainer_metrics ORDER BY step DESC LIMIT ?", (n,)
+            ).fetchall()
+        )
+        return [{"step": step} | json.loads(m) for step, m in reversed(rows)]
+
+    def recent_groups(self, sampler_id: str, n: int) -> list[dict]:
+        """A sampler's `n` most recent groups: job, version, state, rewards, when, and
+        whether the trainer sent its log-probs of the group's tokens."""
+        rows = self._read(
+            lambda c: c.execute(
+                "SELECT job_id, version, state, rewards, created_at, consumed_step, flat, "
+                "t.job_id IS NOT NULL FROM rollouts LEFT JOIN trainer_logprobs t USING (job_id) "
+                "WHERE sampler_id = ? ORDER BY created_at DESC LIMIT ?",
                 (sampler_id, n),
             ).fetchall()
         )
         keys = ("job_id", "version", "state", "rewards", "created_at", "consumed_step", "flat")
+        keys += ("trainer_logprobs",)
         return [dict(zip(keys, r)) | {"rewards": json.loads(r[3] or "null")} for r in rows]
 
     def group_detail(self, job_id: int) -> dict | None:
-        """One stored group with its job's prompt text, for the dashboard's drill-down."""
-        row = self._tx(
+        """One stored group with its job's prompt text and, where the trainer sent them, its
+        log-probs of the group's tokens: the dashboard's drill-down."""
+        row = self._read(
             lambda c: c.execute(
                 "SELECT r.body, r.rewards, r.claimed, r.sampler_id, r.state, r.consumed_step, "
-                "j.prompt FROM rollouts r JOIN jobs j USING (job_id) WHERE r.job_id = ?",
+                "j.prompt, t.logprobs FROM rollouts r JOIN jobs j USING (job_id) "
+                "LEFT JOIN trainer_logprobs t USING (job_id) WHERE r.job_id = ?",
                 (job_id,),
             ).fetchone()
         )
         keys = ("body", "rewards", "claimed", "sampler_id", "state", "consumed_step", "prompt")
-        return None if row is None else dict(zip(keys, row))
+        return None if row is None else dict(zip((*keys, "trainer_logprobs"), row))
 
     def ack(self, job_ids: list[int], step: int) -> int:
         """Mark pulled groups consumed at trainer `step`; a group is consumed at most once.
@@ -981,6 +1044,8 @@ class BrokerStore(SwarmBook):
             ]
             c.executemany("DELETE FROM rollouts WHERE job_id = ?", orphans)
             c.executemany("DELETE FROM audits WHERE job_id = ?", orphans)
+            c.executemany("DELETE FROM trainer_logprobs WHERE job_id = ?", orphans)
+            c.execute("DELETE FROM trainer_metrics WHERE step > ?", (step,))
             c.executemany("UPDATE jobs SET state = 'queued' WHERE job_id = ?", orphans)
             leases = c.execute(
                 "UPDATE jobs SET state = 'queued', lease_owner = NULL, lease_deadline = NULL, "

@@ -14,12 +14,21 @@ and its hoarding bar, so a new identity escapes neither (`_judge_operators`).
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import uuid
 from dataclasses import dataclass
 
-from echorl.protocol import Forbidden, GroupAudit, NotFound, ProtocolError, SamplerInfo, TooMany
+from echorl.protocol import (
+    Forbidden,
+    GroupAudit,
+    NotFound,
+    ProtocolError,
+    SamplerInfo,
+    TooMany,
+    Unprocessable,
+)
 
 log = logging.getLogger("echorl.broker")
 
@@ -45,6 +54,9 @@ ACCOUNT = (
     "cancelled",
     "lapsed",
 )
+
+
+SPENT = "cost_per_hour * (last_seen - registered_at) / 3600.0"  # NULL where it told no price
 
 
 def tally(c, column: str, table: str, owner: str, where: str, params: tuple) -> None:
@@ -307,6 +319,13 @@ class SwarmBook:
                 "SELECT lease_owner FROM jobs WHERE state = 'leased' AND (lease_deadline < ? "
                 "OR lease_owner IN (SELECT id FROM samplers WHERE last_seen < ?))"
             )
+            # A silent sampler holding jobs died or lost its link: lost now (as its leases
+            # go back), not a sampler_timeout later; a beat of it makes it alive again.
+            lost += c.execute(
+                "UPDATE samplers SET state = 'lost' WHERE state = 'alive' AND last_seen < ? "
+                "AND id IN (SELECT lease_owner FROM jobs WHERE state = 'leased')",
+                (silent,),
+            ).rowcount
             lapsed = (
                 "t.state = 'leased' AND (t.lease_deadline < ? OR t.lease_owner IN "
                 "(SELECT id FROM samplers WHERE last_seen < ?))"
@@ -373,14 +392,16 @@ class SwarmBook:
             "cost_per_hour",
             *ACCOUNT,
             "(SELECT COUNT(*) FROM jobs j WHERE j.state = 'leased' AND j.lease_owner = s.id)",
+            # What it cost while it was here, and per million tokens the trainer consumed.
+            f"{SPENT}",
+            f"{SPENT} * 1e6 / NULLIF(consumed_tokens, 0)",
         )
         names = (*cols[:10], "audited_tokens", "logprob_mean_abs", "logprob_kl", "logprob_beyond")
-        names += ("cost_per_hour", *ACCOUNT, "leased")
+        names += ("cost_per_hour", *ACCOUNT, "leased", "spent", "cost_per_mtoken")
         rank = "CASE state WHEN 'alive' THEN 0 WHEN 'quarantined' THEN 1 WHEN 'revoked' THEN 1 ELSE 2 END"
         rows = self._tx(
             lambda c: c.execute(
-                f"SELECT {', '.join(cols)} FROM samplers s ORDER BY {rank}, last_seen DESC "
-                "LIMIT ?",
+                f"SELECT {', '.join(cols)} FROM samplers s ORDER BY {rank}, last_seen DESC LIMIT ?",
                 (limit,),
             ).fetchall()
         )
@@ -428,6 +449,8 @@ class SwarmBook:
                     "DO UPDATE SET state = 'done', lease_deadline = NULL WHERE state != 'done'",
                     (a.job_id,),
                 ).rowcount
+                if a.logprobs is not None:
+                    keep_token_logprobs(c, a)
                 if first and a.tokens > 0:
                     sid, version = row
                     t = a.tokens
@@ -521,3 +544,28 @@ class SwarmBook:
             reason,
             len(dropped),
         )
+
+
+TOKENS_KEPT = 500  # groups whose trainer log-probs per token are kept (one a step)
+
+
+def keep_token_logprobs(c, a: GroupAudit) -> None:
+    """Keep the trainer's log-probs of the tokens of group `a.job_id` (a row per completion,
+    as long as the completion: Unprocessable otherwise, nothing kept), and only the last
+    TOKENS_KEPT groups' (a long run's would grow by a group a step)."""
+    (body,) = c.execute("SELECT body FROM rollouts WHERE job_id = ?", (a.job_id,)).fetchone()
+    lengths = [len(x["token_ids"]) for x in json.loads(body)["completions"]]
+    if [len(row) for row in a.logprobs] != lengths:
+        raise Unprocessable(
+            f"job {a.job_id}: logprobs for completions of {[len(r) for r in a.logprobs]} "
+            f"tokens; the group's have {lengths}"
+        )
+    c.execute(
+        "INSERT OR REPLACE INTO trainer_logprobs VALUES (?, ?)",
+        (a.job_id, json.dumps(a.logprobs, separators=(",", ":"))),
+    )
+    c.execute(
+        "DELETE FROM trainer_logprobs WHERE job_id <= (SELECT job_id FROM trainer_logprobs "
+        "ORDER BY job_id DESC LIMIT 1 OFFSET ?)",
+        (TOKENS_KEPT,),
+    )

@@ -353,6 +353,9 @@ def split_pushes(
     return parts, too_big
 
 
+ENDED = (401, 403, 404, 409)  # a beat refused so: this sampler's standing at the broker is over
+
+
 class Heartbeat:
     """Beats for a sampler, every `interval` seconds, while it downloads, generates and
     pushes a lease: a lease may take longer than the broker's `sampler_timeout` (a slow
@@ -361,7 +364,9 @@ class Heartbeat:
     def __init__(self, client: BrokerClient, sampler_id: str, interval: float, sampler: Sampler):
         # Its own connections, no retries, and no longer a wait than a beat's interval: a
         # missed beat is retried by the next one, never held up by one stuck on a bad link.
-        self.client = BrokerClient(**client.settings() | {"retries": 0, "timeout": max(1.0, interval)})
+        self.client = BrokerClient(
+            **client.settings() | {"retries": 0, "timeout": max(1.0, interval)}
+        )
         self.sampler_id, self.interval = sampler_id, interval
         self.sampler = sampler
         self.done = threading.Event()
@@ -389,8 +394,11 @@ class Heartbeat:
                 )
             except BrokerUnavailable as e:  # the main loop finds out on its next call
                 log.debug("%s: heartbeat failed: %s", self.sampler.name, e)
-            except BrokerRejected:
-                return  # revoked or quarantined: the push says so
+            except BrokerRejected as e:
+                if e.status in ENDED:
+                    return  # revoked, quarantined, left or forgotten: the main loop's next call says so
+                # A rate limit (429; a saturated link's beats bunched up): the next beat counts.
+                log.debug("%s: heartbeat refused: %s", self.sampler.name, e)
 
     def __enter__(self) -> Heartbeat:
         self.thread.start()

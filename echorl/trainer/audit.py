@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from echorl.protocol import GroupAudit, ScoredGroup
+from echorl.protocol import MIN_LOGPROB, GroupAudit, ScoredGroup
 from echorl.trainer.batch import Batch, token_logprobs
 from echorl.trainer.distributed import resharded
 
@@ -32,14 +32,19 @@ def group_rows(groups: list[ScoredGroup], picked: list[bool]) -> torch.Tensor:
 
 @torch.no_grad()
 def audit_batch(
-    groups: list[ScoredGroup], batch: Batch, logp: torch.Tensor, tolerance: float = 2.0
+    groups: list[ScoredGroup],
+    batch: Batch,
+    logp: torch.Tensor,
+    tolerance: float = 2.0,
+    detailed: int = 1,
 ) -> list[GroupAudit]:
     """One GroupAudit per group of `batch` (its rows are the groups' completions in order),
-    from this policy's log-probs `logp` of it."""
+    from this policy's log-probs `logp` of it; the first `detailed` carry the log-prob of
+    each token too (the dashboard's drill-down)."""
     mask = batch.loss_mask.bool()
     delta = torch.where(mask, batch.behaviour_logp - logp, 0.0)  # sampler - trainer
     audits, start = [], 0
-    for group in groups:
+    for k, group in enumerate(groups):
         end = start + len(group.completions)
         d, m = delta[start:end], mask[start:end]
         audits.append(
@@ -49,10 +54,26 @@ def audit_batch(
                 abs_delta=float(d.abs().sum()),
                 kl=float(d.sum()),
                 beyond=int(((d.abs() > tolerance) & m).sum()),
+                logprobs=completion_logprobs(group, batch, logp, start) if k < detailed else None,
             )
         )
         start = end
     return audits
+
+
+def completion_logprobs(
+    group: ScoredGroup, batch: Batch, logp: torch.Tensor, first: int
+) -> list[list[float]]:
+    """`logp` of each of the group's completion tokens (its rows start at `first`; token k of
+    a row is predicted in column prompt + k - 1), 0 at the environment's tokens."""
+    rows = []
+    for j, c in enumerate(group.completions):
+        r = first + j
+        at = int(batch.prompt_lens[r]) - 1
+        cols = slice(at, at + len(c.token_ids))
+        lp = torch.where(batch.loss_mask[r, cols].bool(), logp[r, cols], 0.0)
+        rows.append([round(x, 4) for x in lp.clamp(MIN_LOGPROB, 0.0).float().tolist()])
+    return rows
 
 
 class PastVersions:

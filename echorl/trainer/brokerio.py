@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import signal
 import tempfile
@@ -300,6 +302,23 @@ class BrokerIO:
             raise RuntimeError(reason)
 
 
+METRIC = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+
+
+def dashboard_numbers(record: dict, most: int = 256) -> dict[str, float]:
+    """The finite numbers of a metrics record, under names the broker takes."""
+    numbers = {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step"
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and METRIC.fullmatch(k)
+    }
+    return dict(list(numbers.items())[:most])
+
+
 def serve(conn, settings: dict, cpus, stopping) -> None:
     """The helper process: pulls on one thread, everything else in order on another."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when it stops
@@ -331,6 +350,18 @@ def serve(conn, settings: dict, cpus, stopping) -> None:
 
     def swarm(client: BrokerClient) -> None:
         reply("swarm", swarm_metrics(client))
+
+    told = []
+
+    def metrics(client: BrokerClient, record: dict) -> None:
+        """The step's numbers to the broker's dashboard: a broker that cannot take them
+        (an older one) costs the dashboard its training view, never the run."""
+        try:
+            client.log_metrics(record["step"], dashboard_numbers(record))
+        except broker_client.BrokerError as e:
+            if not told:
+                told.append(e)
+                print(f"the broker's dashboard gets no trainer metrics: {e}", flush=True)
 
     def upload(client: BrokerClient, version: int, size: int) -> None:
         view = memoryview(buffer[-1])[:size]
@@ -370,7 +401,7 @@ def serve(conn, settings: dict, cpus, stopping) -> None:
         client.close()
 
     lane, pulls = queue.Queue(), queue.Queue()
-    handlers = {"ack": ack, "audit": audit, "swarm": swarm, "publish": upload}
+    handlers = {"ack": ack, "audit": audit, "swarm": swarm, "publish": upload, "metrics": metrics}
     threads = [
         threading.Thread(target=run, args=(lane, handlers), daemon=True),
         threading.Thread(target=run, args=(pulls, {"pull": pull}), daemon=True),
@@ -386,6 +417,8 @@ def serve(conn, settings: dict, cpus, stopping) -> None:
         log[0].write(record)
         if line:
             print(line, flush=True)
+        if isinstance(record.get("step"), int):
+            lane.put(("metrics", record))
 
     def exit_now() -> None:
         if log:  # every line is flushed as written; this ends the TensorBoard file

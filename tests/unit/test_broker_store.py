@@ -1,5 +1,6 @@
 import json
 
+import pydantic
 import pytest
 
 from echorl.broker.store import Admission, BrokerStore, Probation
@@ -899,22 +900,76 @@ def test_each_samplers_account_matches_the_broker_rows(tmp_path):
     assert rows["a"]["flat"] == 1 and rows["a"]["lapsed"] == 1 and rows["a"]["leased"] == 0
     assert rows["a"]["pushed_tokens"] == 3 * 2 * 3 and rows["a"]["consumed_tokens"] == 2 * 3
     assert rows["b"]["cancelled"] == 1 and rows["b"]["pushed"] == 0
-    assert late.job_id in [r[0] for r in s.db.execute("SELECT job_id FROM jobs WHERE state = 'queued'")]
+    assert late.job_id in [
+        r[0] for r in s.db.execute("SELECT job_id FROM jobs WHERE state = 'queued'")
+    ]
+
+
+def test_a_priced_samplers_cost_per_consumed_token(s):
+    """What a priced sampler cost while registered, and per million tokens consumed of it."""
+    info = SamplerInfo(name="p", tokenizer=CODEC.fingerprint, task="add", cost_per_hour=2.0)
+    priced, free = s.register(info, 0.0), sampler(s, "free")
+    s.set_latest_version(0)
+    (j,) = s.lease(priced, 1, 2, now=0, lease_seconds=100)
+    push(s, priced, group(s, j.job_id), [1.0, 0.0], now=1)
+    pulled, _ = s.pull(1, now=2, lease_seconds=10, version=0)
+    s.ack([g.job_id for g in pulled], step=0)
+    s.heartbeat(priced, 1800.0)
+    rows = {r["name"]: r for r in s.samplers()}
+    assert rows["p"]["spent"] == pytest.approx(1.0)  # half an hour at 2.0 an hour
+    assert rows["p"]["cost_per_mtoken"] == pytest.approx(1.0 * 1e6 / (2 * 3))  # 2 x 3 tokens
+    assert rows["free"]["spent"] is None and rows["free"]["cost_per_mtoken"] is None
+    assert free
 
 
 def test_a_silent_sampler_holding_a_lease_is_released_in_seconds(tmp_path):
     """`lease_silence_s`: a sampler that holds a lease and stops beating (killed) has its jobs
-    back in the queue after that long, not its lease period; counted as a lapse."""
+    back in the queue after that long, not its lease period; counted as a lapse, and it is
+    shown lost at once (a beat makes it alive again). A silent sampler holding nothing is
+    lost only at sampler_timeout."""
     s = store(tmp_path)
     a, b = sampler(s, "a", now=0), sampler(s, "b", now=0)
+    sampler(s, "c", now=0)  # silent, holding nothing
     (job,) = s.lease(a, 1, 2, now=0, lease_seconds=120)
     s.heartbeat(b, 5.0)
     assert s.expire(now=5.0, sampler_timeout=60, bar_s=120, lease_silence_s=6) == (0, 0)
-    assert s.expire(now=7.0, sampler_timeout=60, bar_s=120, lease_silence_s=6) == (1, 0)
+    assert s.expire(now=7.0, sampler_timeout=60, bar_s=120, lease_silence_s=6) == (1, 1)
     state = s.db.execute("SELECT state FROM jobs WHERE job_id = ?", (job.job_id,)).fetchone()
     assert state == ("queued",)
     rows = {r["name"]: r for r in s.samplers()}
-    assert rows["a"]["state"] == "alive" and rows["a"]["lapsed"] == 1  # lost only at 60 s
+    assert rows["a"]["state"] == "lost" and rows["a"]["lapsed"] == 1
+    assert rows["c"]["state"] == "alive"  # silent too, but it holds nothing: lost at 60 s
+    s.heartbeat(a, 7.5)
+    assert {r["name"]: r["state"] for r in s.samplers()}["a"] == "alive"
     assert s.lease(b, 1, 2, now=7.0, lease_seconds=120)[0].job_id == job.job_id
     assert s.lost_by_name("b", 8.0) == 1  # its supervisor saw it die: released at once
     assert {r["name"]: r["state"] for r in s.samplers()}["b"] == "lost"
+
+
+def test_the_trainers_token_logprobs_are_kept_for_the_last_groups_only_and_checked(s, monkeypatch):
+    """An audit may carry the trainer's log-prob of each token of a group (the dashboard's
+    drill-down): kept when there is one per token of each completion, refused with the
+    lengths otherwise (422; nothing of the report applied); only the last TOKENS_KEPT kept."""
+    from echorl.broker import swarm
+
+    monkeypatch.setattr(swarm, "TOKENS_KEPT", 2)
+    a = sampler(s, "a")
+    s.set_latest_version(0)
+    jobs = s.lease(a, 4, 2, now=0, lease_seconds=100)
+    for j in jobs:
+        push(s, a, group(s, j.job_id), [1.0, 0.0], now=1)
+    short = audit(jobs[0].job_id, 6, 0.0).model_copy(update={"logprobs": [[-0.1, -0.2]] * 2})
+    with pytest.raises(Unprocessable, match=r"\[2, 2\] tokens; the group's have \[3, 3\]"):
+        s.audit([audit(jobs[1].job_id, 6, 0.0), short], POLICY, step=0)
+    assert s.db.execute("SELECT COUNT(*) FROM audits").fetchone() == (0,)  # nothing applied
+    rows = [[-0.5, -0.25, 0.0], [-1.0, -0.5, 0.0]]
+    for j in jobs:
+        s.audit([audit(j.job_id, 6, 0.0).model_copy(update={"logprobs": rows})], POLICY, step=0)
+    kept = [r[0] for r in s.db.execute("SELECT job_id FROM trainer_logprobs ORDER BY job_id")]
+    assert kept == [jobs[2].job_id, jobs[3].job_id]
+    assert json.loads(s.group_detail(jobs[3].job_id)["trainer_logprobs"]) == rows
+    assert s.group_detail(jobs[0].job_id)["trainer_logprobs"] is None
+    assert [g["trainer_logprobs"] for g in s.recent_groups(a, 10)].count(True) == 2
+    bad = audit(jobs[0].job_id, 6, 0.0).model_dump() | {"logprobs": [rows[0], [0.5, 0, 0]]}
+    with pytest.raises(pydantic.ValidationError, match=r"logprobs\[1\]: log-probs must be"):
+        GroupAudit.model_validate(bad)

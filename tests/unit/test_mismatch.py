@@ -61,3 +61,43 @@ def test_stale_groups_are_scored_under_their_own_version_in_recycled_buffers(tin
     torch.testing.assert_close(logp[2:4], expected[1][2:4])  # exactly as that version scored it
     torch.testing.assert_close(logp[4:6], expected[2][4:6])
     assert all(torch.equal(states[3][k], t) for k, t in model.state_dict().items())  # put back
+
+
+def test_the_audit_sends_the_trainers_logprob_of_each_token_of_the_first_group():
+    """The first group's audit carries the policy's log-prob of each completion token, as a
+    plain forward pass gives it (prompts and completions of different lengths, padded)."""
+    import torch
+
+    from echorl.models.tiny import build_tiny_model
+    from echorl.trainer.audit import audit_batch
+    from echorl.trainer.batch import batch_from_groups, token_logprobs
+
+    model, tok = build_tiny_model("1m", seed=0)
+
+    def scored(job_id, prompt, completions):
+        return ScoredGroup.model_validate(
+            {
+                "job_id": job_id,
+                "version": 0,
+                "prompt_ids": prompt,
+                "completions": [
+                    {"token_ids": c, "logprobs": [-1.0] * len(c), "finished": True}
+                    for c in completions
+                ],
+                "rewards": [0.0] * len(completions),
+            }
+        )
+
+    groups = [scored(7, [5, 6, 7], [[40, 41], [42, 43, 44, 45]]), scored(8, [9], [[50], [51]])]
+    batch = batch_from_groups(groups, torch.zeros(2, 2), pad_id=0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch)
+    audits = audit_batch(groups, batch, logp)
+    assert audits[1].logprobs is None  # one group a step
+    for c, got in zip(groups[0].completions, audits[0].logprobs):
+        ids = torch.tensor([groups[0].prompt_ids + c.token_ids])
+        with torch.no_grad():
+            full = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        p = len(groups[0].prompt_ids)
+        want = [full[p + k - 1, t].item() for k, t in enumerate(c.token_ids)]
+        assert got == pytest.approx(want, abs=2e-4)

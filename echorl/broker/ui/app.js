@@ -11,7 +11,7 @@ const COLUMNS = [
   ["tokens_per_s", "tokens/s"], ["version_held", "version"], ["lag", "lag"],
   ["fetch_s", "fetch s"], ["pushed", "pushed"], ["consumed", "consumed"], ["share", "share"],
   ["stale", "stale"], ["refused", "refused"], ["lapsed", "lapsed"], ["leased", "holds"],
-  ["cost_per_hour", "cost/h"],
+  ["cost_per_hour", "cost/h"], ["spent", "spent"], ["cost_per_mtoken", "cost/Mtok"],
 ];
 
 function text(tag, value, cls) {
@@ -86,14 +86,14 @@ async function openSampler(s) {
   const groups = await reply.json();
   const table = document.createElement("table");
   const head = document.createElement("tr");
-  ["job", "version", "state", "rewards", "consumed at step"].forEach((h) => head.append(text("th", h)));
+  ["job", "version", "state", "rewards", "consumed at step", "trainer log-probs"].forEach((h) => head.append(text("th", h)));
   table.append(head);
   for (const g of groups) {
     const tr = document.createElement("tr");
-    tr.className = "pick";
+    tr.className = "pick" + (g.trainer_logprobs ? " traced" : "");
     tr.dataset.job = g.job_id;
     [g.job_id, g.version, g.flat ? "flat" : g.state, g.rewards ? g.rewards.map((r) => fmt(r)).join(" ") : "-",
-      g.consumed_step].forEach((v) => tr.append(text("td", v)));
+      g.consumed_step, g.trainer_logprobs ? "yes" : ""].forEach((v) => tr.append(text("td", v)));
     tr.addEventListener("click", () => openGroup(g.job_id));
     table.append(tr);
   }
@@ -111,38 +111,93 @@ async function openGroup(jobId) {
     const reward = g.rewards ? fmt(g.rewards[k], 3) : "-";
     box.append(text("div", `completion ${k}: reward ${reward} (claimed ${fmt(g.claimed[k], 3)})`));
     const line = document.createElement("div");
+    const mine = c.trainer_logprobs;
     c.tokens.forEach((t, i) => {
       const lp = c.logprobs[i];
       const span = text("span", t, "tok");
-      const p = Math.exp(lp ?? 0);  // the sampler's probability of the token: pale = unsure
-      span.style.background = `rgba(60, 140, 220, ${0.15 + 0.6 * p})`;
-      span.title = `behaviour log-prob ${fmt(lp, 4)}`;
+      if (mine) {  // red where the sampler and the trainer disagree on the token
+        const gap = Math.min(1, Math.abs(lp - mine[i]));
+        span.style.background = `rgba(210, 60, 60, ${0.08 + 0.7 * gap})`;
+        span.title = `behaviour log-prob ${fmt(lp, 4)}, trainer ${fmt(mine[i], 4)}`;
+      } else {  // the sampler's probability of the token: pale = unsure
+        span.style.background = `rgba(60, 140, 220, ${0.15 + 0.6 * Math.exp(lp ?? 0)})`;
+        span.title = `behaviour log-prob ${fmt(lp, 4)}`;
+      }
       line.append(span);
     });
     box.append(line);
+    if (mine) {
+      const gaps = mine.map((m, i) => Math.abs(c.logprobs[i] - m));
+      box.append(text("div", `mean |behaviour - trainer| log-prob ${fmt(gaps.reduce((a, b) => a + b, 0) / gaps.length, 4)}`, "gap"));
+    }
     out.push(box);
   });
-  out.push(text("p", "Token colour: the sampler's own probability of each token (hover for its log-prob)."));
+  out.push(text("p", g.completions.some((c) => c.trainer_logprobs)
+    ? "Token colour: how far the sampler's log-prob is from the trainer's (hover for both)."
+    : "Token colour: the sampler's own probability of each token (hover for its log-prob); " +
+      "the trainer sends its own for one group a step."));
   $("group").replaceChildren(...out);
   show("group");
+}
+
+let openVersion = null;
+
+function names() {
+  return Object.fromEntries(snap.status.samplers.map((s) => [s.id, s.name]));
+}
+
+function mb(bytes) {
+  return bytes === null || bytes === undefined ? "-" : (bytes / 1e6).toFixed(bytes < 1e7 ? 2 : 0) + " MB";
 }
 
 function drawVersions() {
   const st = snap.status, alive = st.samplers.filter((s) => s.state === "alive");
   const holders = {};
   alive.forEach((s) => { holders[s.version_held] = (holders[s.version_held] || 0) + 1; });
-  const published = Object.fromEntries(snap.published.map(([v, t]) => [v, t]));
-  const versions = [...new Set([...Object.keys(holders), ...Object.keys(published)].map(Number))]
-    .filter((v) => !Number.isNaN(v)).sort((a, b) => b - a).slice(0, 30);
-  $("held").tBodies[0].replaceChildren(...versions.map((v) => {
+  $("held").tBodies[0].replaceChildren(...snap.versions.map((v) => {
     const tr = document.createElement("tr");
-    const t = published[v];
-    tr.append(text("td", v), text("td", t ? `${(snap.time - t).toFixed(1)} s ago` : "-"),
-      text("td", `${holders[v] || 0} of ${alive.length}`));
+    tr.className = "pick";
+    tr.dataset.version = v.version;
+    const times = Object.values(v.arrived).map((a) => a[0]).sort((a, b) => a - b);
+    const at = (q) => (times.length ? fmt(times[Math.min(times.length - 1, Math.floor(q * times.length))], 2) : "-");
+    const from = Object.values(v.from);
+    const peers = from.filter((f) => f !== "@broker").length;
+    tr.append(text("td", v.version), text("td", `${(snap.time - v.published).toFixed(1)} s ago`),
+      text("td", mb(v.bytes) + (v.delta_bytes ? ` (delta ${mb(v.delta_bytes)})` : "")),
+      text("td", `${holders[v.version] || 0} of ${alive.length}`),
+      text("td", times.length ? `${at(0)} / ${at(0.5)} / ${at(1)} (${times.length})` : "-"),
+      text("td", from.length ? `broker ${from.length - peers}, peers ${peers}` : "-"));
+    tr.addEventListener("click", () => { openVersion = v.version; drawTree(); });
     return tr;
   }));
   const src = Object.entries(st.weight_sources).map(([k, n]) => `${k}: ${n}`).join(", ");
-  $("sources").textContent = `latest version ${st.latest_version}; versions fetched from ${src || "nobody yet"}`;
+  $("sources").textContent = `latest version ${st.latest_version}; versions fetched from ${src || "nobody yet"}` +
+    " (click a version for its fan-out tree)";
+  drawTree();
+}
+
+function drawTree() {
+  const v = snap.versions.find((x) => x.version === openVersion);
+  if (!v) { $("tree").replaceChildren(); return; }
+  const who = names(), takers = {};
+  Object.entries(v.from).forEach(([taker, source]) => (takers[source] = takers[source] || []).push(taker));
+  const node = (id, seen) => {
+    const li = document.createElement("li");
+    const a = v.arrived[id];
+    li.append(text("span", id === "@broker" ? "broker" : `${who[id] || id}` +
+      (a ? `: arrived ${fmt(a[0], 2)} s after publish (fetch and load ${fmt(a[1], 2)} s)` : ": not arrived yet")));
+    const below = (takers[id] || []).filter((t) => !seen.has(t));
+    if (below.length) {
+      const ul = document.createElement("ul");
+      below.forEach((t) => { seen.add(t); ul.append(node(t, seen)); });
+      li.append(ul);
+    }
+    return li;
+  };
+  const root = document.createElement("ul");
+  root.className = "tree";
+  root.append(node("@broker", new Set(["@broker"])));
+  $("tree").replaceChildren(text("h3", `version ${v.version}: who fetched it from whom`), root);
 }
 
 function line(svg, series, colours) {
@@ -166,15 +221,44 @@ function line(svg, series, colours) {
     parts.push(label);
   }
   svg.replaceChildren(...parts);
+  svg.__scale = [X, Y];
+}
+
+function dots(svg, points, colour) {  // points over the chart `line` drew last
+  if (!points.length || !svg.__scale) return;
+  const ns = "http://www.w3.org/2000/svg", [X, Y] = svg.__scale;
+  points.forEach(([x, y]) => {
+    const c = document.createElementNS(ns, "circle");
+    c.setAttribute("cx", X(x)); c.setAttribute("cy", Y(y)); c.setAttribute("r", 3);
+    c.setAttribute("fill", colour);
+    svg.append(c);
+  });
 }
 
 function drawTraining() {
-  const steps = snap.steps;
-  line($("reward"), [steps.map((s) => [s.step, s.reward])], ["#2f6fb3"]);
+  const steps = snap.steps, trainer = snap.trainer;
+  const evals = trainer.filter((r) => r["eval/reward"] !== undefined).map((r) => [r.step, r["eval/reward"]]);
+  line($("reward"), [steps.map((s) => [s.step, s.reward]), evals], ["#2f6fb3", "#c60"]);
+  dots($("reward"), evals, "#c60");
+  const busy = trainer.filter((r) => r["trainer/wall_s"]).map((r) => [r.step, r["trainer/step_s"] / r["trainer/wall_s"]]);
+  line($("busy"), [busy], ["#2f6fb3"]);
+  const idle = trainer.map((r) => r["trainer/idle_s"]).filter((x) => x !== undefined).sort((a, b) => a - b);
+  $("idle").textContent = idle.length
+    ? `waiting for groups: median ${fmt(idle[Math.floor(idle.length / 2)], 3)} s, longest ${fmt(idle[idle.length - 1], 3)} s a step`
+    : "";
   line($("staleness"), [steps.map((s) => [s.step, s.staleness]), steps.map((s) => [s.step, s.staleness_max])], ["#2f6fb3", "#c77"]);
-  const st = snap.status;
+  const hist = {};
+  steps.forEach((s) => Object.entries(s.staleness_counts || {}).forEach(([k, n]) => { hist[k] = (hist[k] || 0) + n; }));
+  const all = Object.values(hist).reduce((a, b) => a + b, 0);
+  $("stale-hist").tBodies[0].replaceChildren(...Object.keys(hist).map(Number).sort((a, b) => a - b).map((k) => {
+    const tr = document.createElement("tr");
+    tr.append(text("td", k), text("td", hist[k]), text("td", (100 * hist[k] / all).toFixed(1) + "%"));
+    return tr;
+  }));
+  const st = snap.status, last = trainer[trainer.length - 1] || {};
   const kv = (o) => Object.entries(o).map(([k, v]) => `${k}=${v}`).join(", ") || "none";
   $("buffer").textContent = `groups: ${kv(st.rollouts)}; jobs: ${kv(st.jobs)}; verifier: ${kv(st.verifier)}` +
+    (last["verifier/errors"] ? `; verifier failures so far ${last["verifier/errors"]}` : "") +
     (st.verifier_error ? `; first verifier error: ${st.verifier_error}` : "");
 }
 
