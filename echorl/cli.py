@@ -756,7 +756,7 @@ def _resumable(
     if not resume or not saved.is_file():
         return cfg
     if path is not None and path.resolve() == saved.resolve():
-        return cfg  # the run's own file already
+        path = None  # the run's own file: only the flags over it are checked
     extra = [f"{k}={v}" for k, v in fields.items() if v is not None]
     try:
         return resume_config(saved, path, [*extra, *(override or [])])

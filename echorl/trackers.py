@@ -51,6 +51,9 @@ def flat(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+STEP = "trainer/step"
+
+
 class WandbTracker:
     def __init__(self, settings: dict, out: Path, config: dict, ids: dict):
         try:
@@ -68,9 +71,14 @@ class WandbTracker:
             config=config,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        # Every number is drawn against the trainer's step, not W&B's own counter: a resumed
+        # run logs again the steps after its checkpoint, which W&B's counter (past them
+        # already) would drop.
+        self.run.define_metric(STEP)
+        self.run.define_metric("*", step_metric=STEP)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        self.run.log(values | {STEP: step})
 
     def finish(self, summary: dict[str, float]) -> None:
         self.run.summary.update(summary)

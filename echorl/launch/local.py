@@ -133,15 +133,7 @@ class Swarm:
         return role.proc
 
     def tell_lost(self, name: str) -> None:
-        """Tell the broker that sampler process `name` died (best effort: a broker that does
-        not answer releases its leases after broker.lease_silence_s anyway)."""
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(
-                self.url + "/v1/samplers/lost",
-                json={"name": name},
-                headers={"Authorization": f"Bearer {self.env['ECHORL_TRAINER_TOKEN']}"},
-                timeout=2.0,
-            )
+        tell_lost(self.url, self.env["ECHORL_TRAINER_TOKEN"], name)
 
     def reap(self, role: Role) -> None:
         """Kill what is left of a dead role's process group (its helpers: parser and verifier
@@ -189,6 +181,19 @@ def split_auditors(
         return others, [others] * n
     own = [{c} for c in sorted(others)[len(others) - n :]]
     return others - set().union(*own), own
+
+
+def tell_lost(url: str, token: str, name: str) -> None:
+    """Tell the broker at `url` that sampler process `name` died: its leases go back to the
+    queue at once (best effort: a broker that does not answer releases them after
+    broker.lease_silence_s anyway)."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(
+            url + "/v1/samplers/lost",
+            json={"name": name},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=2.0,
+        )
 
 
 def echorl_command(args: tuple[str, ...], ranks: int | None = None) -> list[str]:

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.text import Text
 
 from echorl.config import RayRole, RunConfig
-from echorl.launch.local import echorl_command, resolved_config, trainer_ranks
+from echorl.launch.local import echorl_command, resolved_config, tell_lost, trainer_ranks
 from echorl.stopping import die_with_parent
 
 NAMESPACE = "echorl"
@@ -53,7 +53,19 @@ CONTROL = "echorl-launcher"  # the named actor `echorl launch scale` talks to
 class RoleActor:
     """One role: its command as a child process, its output kept for the launcher."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], config: str, logs: str):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        config: str,
+        logs: str,
+        lost: tuple[str, str] | None = None,
+    ):
+        """`lost`: a sampler's (broker URL, admin token): told at once when its command
+        dies, so its leases go back to the queue (the command never sees the token)."""
+        self.lost = lost
+        self.name = name
         resumed = ray.get_runtime_context().was_current_actor_reconstructed
         if resumed and name == "trainer" and "--resume" not in argv:
             argv = [*argv, "--resume"]  # from its last checkpoint, as echorl run does
@@ -88,6 +100,8 @@ class RoleActor:
         code = self.proc.wait()
         if code != 0 and not self.stopping:
             self.log.write(f"--- exited with {code}: the actor ends, Ray may restart it ---\n")
+            if self.lost is not None:
+                tell_lost(*self.lost, self.name)
             os._exit(1)  # a dead command is a dead actor: Ray restarts it
 
     def where(self) -> tuple[str, int]:
@@ -170,8 +184,9 @@ class RaySwarm:
     def start(self, name: str, argv: list[str], role: RayRole, restarts: int, block=True):
         """Start role `name`'s actor; `block`: until Ray has placed it (a role the run
         cannot go on without). A sampler is checked on later (`unplaced`)."""
+        lost = (self.url, self.env["ECHORL_TRAINER_TOKEN"]) if name.startswith("sampler-") else None
         actor = RoleActor.options(**options(role, f"{self.out.name}-{name}", restarts)).remote(
-            name, argv, self.env, self.config, str(self.out / "logs")
+            name, argv, self.env, self.config, str(self.out / "logs"), lost
         )
         self.actors[name], self.seen[name] = actor, 0
         self.placing[name] = (actor.where.remote(), time.monotonic(), role)

@@ -180,8 +180,17 @@ class DatasetTask:
             return bucket % 8 == 0  # base.HELDOUT_BUCKETS, as every task splits
         return bucket % 10_000 < self.spec.eval_fraction * 10_000
 
+    @cached_property
+    def splits(self) -> tuple[list[dict], list[dict]]:
+        """The training rows and the held-out rows."""
+        return [r for r, h in self.rows if not h], [r for r, h in self.rows if h]
+
     def problem(self, seed: int) -> Problem:
-        row, held = self.rows[seed % len(self.rows)]
+        # Even seeds draw a training row, odd ones a held-out row: each split has half the
+        # seed space whatever its size (in one list, 10 training rows beside 10,000 held
+        # out made a training draw 1 in 1,000, and the broker's draws of one job ran out).
+        rows = self.splits[seed % 2]
+        held, row = bool(seed % 2), rows[(seed // 2) % len(rows)]
         prompt = row[self.spec.prompt_column]
         columns = {k: v for k, v in row.items() if k != self.spec.prompt_column}
         data = {"columns": columns, "heldout": held}

@@ -70,6 +70,12 @@ def test_ray_launcher_survives_a_dead_sampler_actor_and_scales(tmp_path, warm_ad
         victim = wait_until(lambda: command_pid("sampler-0"), what="sampler-0's command")
         os.kill(parent(victim), signal.SIGKILL)  # its actor's worker process: an actor death
         wait_until(lambda: registered(out).count("sampler-0") == 2, what="sampler-0 back")
+        # A sampler's command dying under a live actor: the actor tells the broker at once,
+        # not a lease_silence_s (6 s) or sampler_timeout (60 s) later.
+        first = "SELECT state FROM samplers WHERE name = 'sampler-1' ORDER BY registered_at LIMIT 1"
+        os.kill(wait_until(lambda: command_pid("sampler-1"), what="sampler-1's command"), signal.SIGKILL)
+        wait_until(lambda: query(out / "broker", first) == [("lost",)], timeout=4, what="sampler-1 lost")
+        wait_until(lambda: registered(out).count("sampler-1") == 2, what="sampler-1 back")
         assert steps_done(out) < STEPS, "the run ended before the swarm changed: lengthen it"
         shown = launcher.communicate(timeout=600)[0]
     finally:
@@ -78,7 +84,7 @@ def test_ray_launcher_survives_a_dead_sampler_actor_and_scales(tmp_path, warm_ad
             launcher.communicate(timeout=120)
     assert launcher.returncode == 0, shown
     names = registered(out)
-    assert names.count("sampler-0") == 2, names  # registered again after Ray restarted it
+    assert names.count("sampler-0") == 2 and names.count("sampler-1") == 2, names  # restarted
     assert "sampler-2" in names, names  # the one `scale` added
     assert "restarted by Ray" in (out / "logs" / "sampler-0.log").read_text()
     assert not Path(f"/proc/{victim}").exists(), "the dead actor's command outlived it"

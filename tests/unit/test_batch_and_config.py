@@ -181,3 +181,23 @@ def test_a_resumed_runs_wall_time_counts_every_session():
 
     walls = [1.0, 2.0, 3.0, 0.5, 1.5, 0.2]  # three sessions (the trainer's clock restarts)
     assert run_wall_s([{"trainer/wall_s": w} for w in walls]) == pytest.approx(3.0 + 1.5 + 0.2)
+
+
+def test_a_resume_given_the_runs_own_config_still_refuses_flags_that_change_the_run(tmp_path):
+    """`echorl trainer --resume -c OUT/config.yaml -o task.name=...`: the run's own file
+    with a flag that makes it another run is refused (exit 2, naming the field) before
+    anything starts; before, the run's own file skipped the check."""
+    import subprocess
+    import sys
+
+    from echorl.config import load_config, save_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    save_config(load_config(None, ["task.name=add", f"train.out_dir={out}"]), out / "config.yaml")
+    cmd = [sys.executable, "-m", "echorl.cli", "trainer", "--resume", "--out", str(out)]
+    cmd += ["-c", str(out / "config.yaml"), "-o", "task.name=countdown", "--broker", "http://127.0.0.1:9"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = " ".join(done.stdout.split())
+    assert "would make it another run: task:" in said and "'countdown'" in said

@@ -169,9 +169,26 @@ def test_the_held_out_rows_are_the_eval_files_or_a_fraction(data):
     assert {p.prompt for p in take(task, 5, 0, "eval")} == {"99+1="}
     assert "99+1=" not in {p.prompt for p in take(task, 300, 0)}
     _, task = task_of(data, rewards(data, "correct"), "task.eval_fraction=0.5")
-    held = {r["prompt"] for r in ROWS if is_heldout(task.problem(ROWS.index(r)))}
+    held = {r["prompt"] for r in task.splits[1]}
     assert 30 <= len(held) <= 70  # about half of 100, by each prompt's hash
     assert not held & {p.prompt for p in take(task, 200, 0)}
+    assert held >= {p.prompt for p in take(task, 200, 0, "eval")}
+
+
+def test_a_small_training_file_beside_a_large_eval_file_is_drawn_as_often(data):
+    """10 training rows beside 10,000 held-out ones: each split has half the seed space (one
+    list of both made a training draw 1 in 1,000, and the broker gave up on a job after
+    1,000 draws)."""
+    (data / "few.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:10]))
+    many = [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(100) for b in range(100)]
+    (data / "many.jsonl").write_text("".join(json.dumps(r) + "\n" for r in many))
+    _, task = task_of(
+        data, rewards(data, "correct"), f"task.eval_dataset={data / 'many.jsonl'}", dataset="few.jsonl"
+    )
+    drawn = [task.problem(seed) for seed in range(1000)]
+    train = [p for p in drawn if not is_heldout(p)]
+    assert 450 <= len(train) <= 550 and {p.prompt for p in train} == {r["prompt"] for r in ROWS[:10]}
+    assert all("*" in p.prompt for p in drawn if is_heldout(p))
 
 
 @pytest.mark.parametrize(

@@ -53,11 +53,16 @@ def test_wandb_offline_gets_config_steps_and_summary(tmp_path):
     log.close()
     records = wandb_records(tmp_path)
     history = [items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
-    assert [(h["_step"], h["reward/mean"], h["rewards/correct"]) for h in history] == [
+    assert [(h["trainer/step"], h["reward/mean"], h["rewards/correct"]) for h in history] == [
         (1, 0.1, 0.25),
         (2, 0.2, 0.5),
         (3, pytest.approx(0.3), 0.75),
     ]
+    # Drawn against the trainer's step, not W&B's counter: a resumed run logs the steps after
+    # its checkpoint again, which the counter (past them already) would drop.
+    assert [h["_step"] for h in history] == [0, 1, 2]
+    metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
+    assert any(m.glob_name == "*" and m.step_metric == "trainer/step" for m in metrics)
     assert all("note" not in h for h in history)  # numbers only
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"][:1]
     assert run.display_name == "mine"
