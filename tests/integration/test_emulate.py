@@ -1,0 +1,43 @@
+"""The emulated swarm (echorl/emulate) against the real broker: 64 emulated samplers on mixed
+GPUs and links, the trainer sized to 1/1.5 of their speed (ECHO-2's provisioning ratio).
+The run's invariants hold whatever the timing: every consumed group within the staleness
+bound, none consumed twice, every step B groups; the trainer's wait stays within what the
+provisioning rule predicts plus a stated margin (see MARGIN_S)."""
+
+import pytest
+
+from echorl.emulate.swarm import Scenario, emulate
+
+# The trainer's mean wait a step may exceed the rule's prediction by this many emulated
+# seconds: provisional. Measured (2 cores, speedup 5): async 12.8 s against a prediction of
+# 0 s, sync 29.1 s against 1.1 s. The rule counts a version's fetch and the generation, not
+# the broker's own round trips (lease, push, scoring, pull: ~1 s real a step, 5 s emulated
+# at speedup 5), nor a sampler that leases first and fetches the new version after, holding
+# its jobs meanwhile. Issue 35's next step is to close that gap (and then this margin).
+MARGIN_S = 60.0
+
+
+@pytest.mark.long  # ~40 s
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_64_emulated_samplers_keep_the_runs_invariants(tmp_path, mode):
+    sc = Scenario(
+        samplers=64,
+        mode=mode,
+        steps=8,
+        capacity=1.5,
+        speedup=5.0,
+        batch_prompts=32,
+        mean_tokens=512,
+        model_bytes=0.5e9,
+        links={"datacenter": 0.5, "fiber": 0.5},
+        broker_overrides=["broker.lease_silence_s=15"],
+    )
+    r = emulate(sc, workdir=tmp_path)
+    print({k: r[k] for k in ("trainer_wait_s", "predicted_wait_s", "trainer_util", "staleness")})
+    assert r["steps"] == 8 and r["groups_consumed"] == 8 * 32  # B groups every step
+    assert r["consumed_twice"] == 0
+    assert r["staleness_max"] <= (sc.max_staleness if mode == "async" else 0)
+    assert r["samplers_alive"] == 64
+    assert r["predicted_wait_s"] is not None
+    assert r["trainer_wait_s"] <= r["predicted_wait_s"] + MARGIN_S
+    assert r["healthz_p99_ms"] < 1000
