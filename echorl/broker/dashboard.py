@@ -87,6 +87,14 @@ class Board:
             }
         )
 
+    def rewind(self, step: int) -> None:
+        """A resumed trainer forgot what it trained after `step`: so does the board."""
+        kept = [s for s in self.steps if s["step"] < step]
+        self.steps.clear()
+        self.steps.extend(kept)
+        for version in [v for v in self.versions if v > step]:
+            del self.versions[version]
+
     def publish(self, described: WeightVersion, when: float) -> None:
         """Version `described` was published at `when`."""
         self.versions[described.version] = {

@@ -433,6 +433,7 @@ def rewind(body: RewindRequest, st: BrokerState = State) -> RewindReply:
     keep = body.step if st.weights.has(body.step) else body.step - 1
     reply = RewindReply(**st.store.rewind(body.step, set(body.consumed), keep))
     st.weights.forget_after(reply.latest_version)
+    st.board.rewind(body.step)
     st.metrics.latest.set(reply.latest_version)
     st.jobs_bell.ring()
     st.groups_bell.ring()

@@ -1031,6 +1031,14 @@ class BrokerStore(SwarmBook):
                     "are not consumed at this broker"
                 )
             returned = [(job_id,) for job_id in sorted(here - consumed)]
+            # Their samplers' accounts forget the consumption too (it is counted again when
+            # the resumed trainer consumes them).
+            c.executemany(
+                "UPDATE samplers SET consumed = consumed - 1, consumed_tokens = consumed_tokens "
+                "- (SELECT tokens FROM rollouts WHERE job_id = ?1) "
+                "WHERE id = (SELECT sampler_id FROM rollouts WHERE job_id = ?1)",
+                returned,
+            )
             c.executemany(
                 "UPDATE rollouts SET state = 'ready', consumed_step = NULL WHERE job_id = ?",
                 returned,

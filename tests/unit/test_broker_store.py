@@ -452,6 +452,14 @@ def test_rewind_returns_what_the_dead_trainer_consumed_and_forgets_its_versions(
     assert s.counts()["rollouts"] == {"consumed": 2, "ready": 2}
     assert s.counts()["jobs"] == {"done": 4, "queued": 3}  # jobs 4, 5 (v2) and 6 again
     assert consumed_counter(s) == 2  # what admission counts, without a scan
+    # Each sampler's account forgets the consumption the rewind undid.
+    accounts = {r["id"]: (r["consumed"], r["consumed_tokens"]) for r in s.samplers()}
+    rows = s.db.execute(
+        "SELECT sampler_id, COUNT(*), SUM(tokens) FROM rollouts WHERE state = 'consumed' "
+        "GROUP BY sampler_id"
+    ).fetchall()
+    assert {sid: accounts[sid] for sid, _, _ in rows} == {sid: (n, t) for sid, n, t in rows}
+    assert sum(n for n, _ in accounts.values()) == 2
     with pytest.raises(ProtocolError, match="behind the checkpoint"):
         s.rewind(5, {0, 1}, keep_version=5)
 
