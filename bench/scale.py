@@ -56,6 +56,7 @@ def scenario(k: int, mode: str, args) -> Scenario:
         churn_per_hour=args.churn,
         hostile=args.hostile,
         token_scale=args.token_scale,
+        lease_s=args.lease_s,
         broker_overrides=["broker.lease_silence_s=30", "broker.sampler_timeout=120"],
     )
 
@@ -104,15 +105,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--modes", nargs="+", default=["sync", "async"])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--capacity", type=float, default=1.5, help="swarm tokens/s over the trainer's")
-    ap.add_argument("--speedup", type=float, default=5.0, help="emulated seconds per real second")
-    ap.add_argument("--tokens", type=float, default=1024, help="mean completion tokens")
+    ap.add_argument("--speedup", type=float, default=10.0, help="emulated seconds per real second")
+    ap.add_argument("--lease-s", type=float, default=60.0, help="emulated seconds a lease asks for")
+    ap.add_argument("--tokens", type=float, default=2048, help="mean completion tokens")
     ap.add_argument("--token-scale", type=int, default=64, help="real tokens per wire token")
     ap.add_argument("--model-gb", type=float, default=8.0, help="a version's size")
     ap.add_argument("--deltas", action="store_true", help="versions as deltas")
     ap.add_argument("--churn", type=float, default=0.0, help="departures per sampler-hour")
     ap.add_argument("--hostile", type=float, default=0.0, help="share that lease and never push")
+    ap.add_argument("--progress", action="store_true", help="print each trainer step")
     ap.add_argument("--out", default=str(RESULTS / "scale.json"))
     args = ap.parse_args()
     console = Console()
@@ -120,7 +123,7 @@ def main() -> None:
     for k in args.k:
         for mode in args.modes:
             t0 = time.perf_counter()
-            r = emulate(scenario(k, mode, args))
+            r = emulate(scenario(k, mode, args), progress=args.progress)
             r.pop("steps_log")
             results.append(r)
             console.print(f"K={k} {mode}: {time.perf_counter() - t0:.0f} s")

@@ -407,42 +407,60 @@ def broker(
 
 @app.command()
 def dashboard(
-    run: Path = typer.Argument(..., help="an `echorl run` folder (running or finished)"),
+    run: Path = typer.Argument(None, help="an `echorl run` folder (running or finished)"),
+    data_dir: Path = typer.Option(
+        None, "--data-dir", help="or a broker's data dir (a swarm started by hand), with -c"
+    ),
+    config: Path = CONFIG,
     port: int = typer.Option(0, help="listen port (0: any free)"),
 ) -> None:
     """Serve the dashboard for a run: its live broker's when it runs (the URL is printed),
-    else a read-only broker on its data dir (it changes nothing there) until Ctrl-C."""
+    else a read-only broker on its data dir (it changes nothing there) until Ctrl-C. For a
+    swarm started by hand: `--data-dir DIR -c run.toml`, with a token of this session's."""
+    import secrets
+
     import httpx
-
-    from echorl.launch.local import read_access
-
-    try:
-        access = read_access(run)
-    except ValueError as e:
-        console.print(Text(f"{run}: {e}", style="red"))
-        raise typer.Exit(2) from None
-    link = lambda url: f"{url}/ui?token={access['trainer_token']}"  # noqa: E731
-    try:
-        httpx.get(access["url"] + "/healthz", timeout=2).raise_for_status()
-        console.print(Text(f"the run's broker is up: {link(access['url'])}"), soft_wrap=True)
-        return
-    except httpx.HTTPError:
-        pass
     import uvicorn
 
     from echorl.broker.app import SetupError, create_app
-    from echorl.launch.local import free_port
+    from echorl.launch.local import free_port, read_access
 
-    cfg = _config(run / "config.yaml", [f"broker.trainer_token={access['trainer_token']}"])
-    cfg.broker.sampler_token = access["sampler_token"]
+    if (run is None) == (data_dir is None):
+        console.print("[red]give a run folder, or --data-dir DIR (with -c CONFIG)[/red]")
+        raise typer.Exit(2)
+    if data_dir is not None:
+        if not (data_dir / "broker.sqlite").is_file():
+            console.print(Text(f"--data-dir {data_dir}: no broker.sqlite there", style="red"))
+            raise typer.Exit(2)
+        token = secrets.token_hex(16)  # this viewing's own: the run's tokens are not at hand
+        cfg = _config(config, [f"broker.data_dir={data_dir}"])
+        cfg.broker.trainer_token, cfg.broker.sampler_token = token, secrets.token_hex(16)
+        where = str(data_dir)
+    else:
+        try:
+            access = read_access(run)
+        except ValueError as e:
+            console.print(Text(f"{run}: {e}", style="red"))
+            raise typer.Exit(2) from None
+        token = access["trainer_token"]
+        try:
+            httpx.get(access["url"] + "/healthz", timeout=2).raise_for_status()
+            link = f"{access['url']}/ui?token={token}"
+            console.print(Text(f"the run's broker is up: {link}"), soft_wrap=True)
+            return
+        except httpx.HTTPError:
+            pass
+        cfg = _config(run / "config.yaml", [f"broker.trainer_token={token}"])
+        cfg.broker.sampler_token = access["sampler_token"]
+        where = f"{run}, finished"
     cfg.broker.port = port or free_port(0)
     try:
         api = create_app(cfg, read_only=True)
     except SetupError as e:
-        console.print(f"[red]{run}: cannot open its broker state:[/red] {escape(str(e))}")
+        console.print(f"[red]{where}: cannot open its broker state:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
-    url = f"http://127.0.0.1:{cfg.broker.port}"
-    console.print(Text(f"{run}, finished: {link(url)}  (Ctrl-C stops)"), soft_wrap=True)
+    link = f"http://127.0.0.1:{cfg.broker.port}/ui?token={token}"
+    console.print(Text(f"{where}: {link}  (read-only; Ctrl-C stops)"), soft_wrap=True)
     uvicorn.run(api, host="127.0.0.1", port=cfg.broker.port, log_level="warning")
 
 

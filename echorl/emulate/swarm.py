@@ -154,8 +154,8 @@ def weights_blob(version: int) -> bytes:
 class Swarm:
     """The emulated machines of one run, their wire clients, and what they measure."""
 
-    def __init__(self, sc: Scenario, url: str):
-        self.sc, self.url = sc, url
+    def __init__(self, sc: Scenario, url: str, progress: bool = False):
+        self.sc, self.url, self.progress = sc, url, progress
         self.prof = profiles()
         self.rng = random.Random(sc.seed)
         self.net = Network(sc.speedup)
@@ -178,6 +178,8 @@ class Swarm:
             int, dict[str, float]
         ] = {}  # version -> sampler -> emulated s after publish
         self.calls: dict[str, list[float]] = {}  # route -> real seconds of each call
+        self.refusals: dict[str, int] = {}  # "route status" -> how many (4xx, 5xx)
+        self.reasons: dict[str, str] = {}  # "route status" -> the first reason
         self.generated_tokens = 0.0
         self.fetches: list[float] = []  # emulated seconds of each fetch and load
         self.real_size = len(weights_blob(0))
@@ -188,6 +190,10 @@ class Swarm:
             method, path, headers={"Authorization": f"Bearer {token}"}, **kw
         )
         self.calls.setdefault(route, []).append(time.perf_counter() - t0)
+        if r.status_code >= 400:
+            key = f"{route} {r.status_code}"
+            self.refusals[key] = self.refusals.get(key, 0) + 1
+            self.reasons.setdefault(key, r.text[:200])
         return r
 
     def draw(self, shares: dict[str, float]) -> str:
@@ -228,7 +234,8 @@ class EmuSampler:
         self.took: Took | None = None
         self.fetch_s: float | None = None
         self.alive = True
-        self.pushed = self.leased = 0
+        self.pushed = self.leased = self.empty = 0  # groups pushed, jobs leased, empty leases
+        self.spent = {"lease": 0.0, "fetch": 0.0, "generate": 0.0, "push": 0.0}  # emulated s
         self.beat_s = 2.0
         # Jobs a lease asks for: about 10 emulated seconds of generation at its speed.
         group_tokens = swarm.sc.group_size * swarm.sc.mean_tokens
@@ -287,7 +294,9 @@ class EmuSampler:
         }
         if self.held is not None:
             body["sha256_held"] = sw.versions[self.held]["sha256"]
+        t0 = sw.net.now()
         r = await sw.call("POST", "/v1/jobs/lease", self.token, "lease", json=body)
+        self.spent["lease"] += sw.net.now() - t0
         if r.status_code >= 400:
             await asyncio.sleep(1.0)
             return
@@ -296,8 +305,11 @@ class EmuSampler:
         latest = reply["latest_version"]
         want = max([latest, *[j["required_version"] or 0 for j in jobs]]) if jobs else latest
         if want >= 0 and (self.held is None or self.held < want) and want in sw.versions:
+            t0 = sw.net.now()
             await self.fetch(want)
+            self.spent["fetch"] += sw.net.now() - t0
         if not jobs:
+            self.empty += 1
             return
         self.leased += len(jobs)
         if self.hostile:
@@ -311,10 +323,12 @@ class EmuSampler:
         ]
         tokens = sum(map(sum, lengths))
         await sw.net.sleep(tokens / self.tokens_per_s)
+        self.spent["generate"] += tokens / self.tokens_per_s
         if not self.alive or self.held is None:
             return
         sw.generated_tokens += tokens
         groups = [self.group(j, ls) for j, ls in zip(jobs, lengths)]
+        t0 = sw.net.now()
         r = await sw.call(
             "POST",
             "/v1/rollouts/batch",
@@ -322,6 +336,7 @@ class EmuSampler:
             "push",
             json={"sampler_id": self.id, "groups": groups},
         )
+        self.spent["push"] += sw.net.now() - t0
         if r.status_code < 400:
             self.pushed += sum(x["stored"] for x in r.json()["results"])
 
@@ -489,6 +504,12 @@ class EmuTrainer:
             if sc.mode == "sync":
                 await upload
                 ahead = asyncio.ensure_future(self.pull(step + 1))
+            if self.swarm.progress:
+                print(
+                    f"step {step}: waited {waited:.1f} s, trained {compute:.1f} s (emulated)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.steps.append(
                 {
                     "step": step,
@@ -537,8 +558,8 @@ def p99(xs: list[float]) -> float | None:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else None)
 
 
-async def _emulate(sc: Scenario, url: str, broker_pid: int) -> dict:
-    sw = Swarm(sc, url)
+async def _emulate(sc: Scenario, url: str, broker_pid: int, progress: bool) -> dict:
+    sw = Swarm(sc, url, progress)
     n_hostile = round(sc.hostile * sc.samplers)
     hostile = set(sw.rng.sample(range(sc.samplers), n_hostile))
     for k in range(sc.samplers):
@@ -641,11 +662,19 @@ def summarise(
         "broker_calls_p99_ms": {k: 1000 * p99(v) for k, v in sw.calls.items() if v},
         "capacity": status.get("capacity"),
         "samplers_alive": status["sampler_counts"].get("alive", 0),
+        # Where the samplers' emulated time went (shares of all of it), and empty leases.
+        "sampler_time": {
+            k: sum(s.spent[k] for s in sw.samplers) / max(1e-9, span * len(sw.samplers))
+            for k in ("lease", "fetch", "generate", "push")
+        },
+        "empty_leases": sum(s.empty for s in sw.samplers),
+        "refusals": sw.refusals,
+        "refusal_reasons": sw.reasons,
         "steps_log": steps,
     }
 
 
-def emulate(sc: Scenario, workdir: str | Path | None = None) -> dict:
+def emulate(sc: Scenario, workdir: str | Path | None = None, progress: bool = False) -> dict:
     """Run scenario `sc` against a real broker started for it; the figures (see
     `summarise`) with /healthz's p99 while it ran."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -656,7 +685,7 @@ def emulate(sc: Scenario, workdir: str | Path | None = None) -> dict:
         probe = mp.Process(target=probe_healthz, args=(url, stop, out), daemon=True)
         probe.start()
         try:
-            result = asyncio.run(_emulate(sc, url, broker.pid))
+            result = asyncio.run(_emulate(sc, url, broker.pid, progress))
         finally:
             stop.set()
             times = out.get(timeout=30) if probe.is_alive() or not out.empty() else []

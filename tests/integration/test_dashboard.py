@@ -176,3 +176,19 @@ def test_a_finished_runs_dashboard_is_served_from_its_files(tmp_path):
         proc.terminate()
         proc.communicate(timeout=30)
     assert digest() == before  # nothing written: no sampler marked lost, no lease expired
+    # A swarm started by hand has no access.json: its data dir and config, and a token of
+    # this viewing's own (printed in the link).
+    port = free_port()
+    cmd = [sys.executable, "-m", "echorl.cli", "dashboard", "--data-dir", str(db.parent)]
+    cmd += ["-c", str(out / "config.yaml"), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        token = re.search(r"/ui\?token=([0-9a-f]+)", line).group(1)
+        headers = {"Authorization": f"Bearer {token}"}
+        snap = wait_until(snapshot, timeout=60, what="the data dir's dashboard")
+        assert [s["step"] for s in snap["steps"]] == [0, 1, 2]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert digest() == before

@@ -8,13 +8,12 @@ import pytest
 
 from echorl.emulate.swarm import Scenario, emulate
 
-# The trainer's mean wait a step may exceed the rule's prediction by this many emulated
-# seconds: provisional. Measured (2 cores, speedup 5): async 12.8 s against a prediction of
-# 0 s, sync 29.1 s against 1.1 s. The rule counts a version's fetch and the generation, not
-# the broker's own round trips (lease, push, scoring, pull: ~1 s real a step, 5 s emulated
-# at speedup 5), nor a sampler that leases first and fetches the new version after, holding
-# its jobs meanwhile. Issue 35's next step is to close that gap (and then this margin).
-MARGIN_S = 60.0
+# The trainer's mean wait a step may be at most twice the rule's prediction and this many
+# emulated seconds more: the rule counts a version's fetch and the generation, not the
+# broker's own round trips (lease, push, scoring, pull: ~1 s real a step, 5 s emulated at
+# speedup 5), nor that the slowest of a step's samplers, not the median, sets its pace.
+# Measured (2 cores, K = 16, speedup 2): 14.4 s against a prediction of 10.1 s.
+MARGIN_S = 15.0
 
 
 @pytest.mark.long  # ~40 s
@@ -39,5 +38,5 @@ def test_64_emulated_samplers_keep_the_runs_invariants(tmp_path, mode):
     assert r["staleness_max"] <= (sc.max_staleness if mode == "async" else 0)
     assert r["samplers_alive"] == 64
     assert r["predicted_wait_s"] is not None
-    assert r["trainer_wait_s"] <= r["predicted_wait_s"] + MARGIN_S
+    assert r["trainer_wait_s"] <= 2 * r["predicted_wait_s"] + MARGIN_S
     assert r["healthz_p99_ms"] < 1000
