@@ -8,12 +8,12 @@ import pytest
 
 from echorl.emulate.swarm import Scenario, emulate
 
-# The trainer's mean wait a step may be at most twice the rule's prediction and this many
-# emulated seconds more: the rule counts a version's fetch and the generation, not the
-# broker's own round trips (lease, push, scoring, pull: ~1 s real a step, 5 s emulated at
-# speedup 5), nor that the slowest of a step's samplers, not the median, sets its pace.
-# Measured (2 cores, K = 16, speedup 2): 14.4 s against a prediction of 10.1 s.
-MARGIN_S = 15.0
+# The trainer's mean wait a step may exceed the rule's prediction by half and this many
+# emulated seconds: the rule counts a version's fetch (the median sampler's) and the
+# generation, not the broker's own round trips (lease, push, scoring, pull: a few hundred ms
+# real a step, x speedup emulated) nor that the slowest of a step's samplers sets its pace.
+# Measured (2 cores): async 11.1 s against a prediction of 13.1 s, sync 16.6 s against 14.9.
+MARGIN_S = 5.0
 
 
 @pytest.mark.long  # ~40 s
@@ -38,5 +38,5 @@ def test_64_emulated_samplers_keep_the_runs_invariants(tmp_path, mode):
     assert r["staleness_max"] <= (sc.max_staleness if mode == "async" else 0)
     assert r["samplers_alive"] == 64
     assert r["predicted_wait_s"] is not None
-    assert r["trainer_wait_s"] <= 2 * r["predicted_wait_s"] + MARGIN_S
+    assert r["trainer_wait_s"] <= 1.5 * r["predicted_wait_s"] + MARGIN_S
     assert r["healthz_p99_ms"] < 1000
