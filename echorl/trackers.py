@@ -78,7 +78,7 @@ class WandbTracker:
         self.run.define_metric("*", step_metric=STEP)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values | {STEP: step})
+        self.run.log(values | {STEP: step}, commit=True)  # a row each, written now
 
     def finish(self, summary: dict[str, float]) -> None:
         self.run.summary.update(summary)
