@@ -181,6 +181,7 @@ class Swarm:
         self.refusals: dict[str, int] = {}  # "route status" -> how many (4xx, 5xx)
         self.reasons: dict[str, str] = {}  # "route status" -> the first reason
         self.generated_tokens = 0.0
+        self.joined: list[asyncio.Future] = []  # samplers that joined during the run (churn)
         self.fetches: list[float] = []  # emulated seconds of each fetch and load
         self.real_size = len(weights_blob(0))
 
@@ -576,6 +577,7 @@ async def _emulate(sc: Scenario, url: str, broker_pid: int, progress: bool) -> d
         sw.stop.set()
         if churn is not None:
             churn.cancel()
+        tasks += sw.joined
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -606,7 +608,7 @@ async def _churn(sw: Swarm) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 await sw.call("POST", f"/v1/samplers/{gone.id}/leave", gone.token, "leave")
         fresh = sw.add_sampler(len(sw.samplers))
-        asyncio.ensure_future(fresh.run())
+        sw.joined.append(asyncio.ensure_future(fresh.run()))
 
 
 def predicted_wait(sc: Scenario, sw: Swarm, steady: list, fetches: list) -> float | None:
