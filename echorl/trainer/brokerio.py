@@ -306,17 +306,12 @@ METRIC = re.compile(r"[A-Za-z0-9_./-]{1,64}")
 
 
 def dashboard_numbers(record: dict, most: int = 256) -> dict[str, float]:
-    """The finite numbers of a metrics record, under names the broker takes."""
-    numbers = {
-        k: float(v)
-        for k, v in record.items()
-        if k != "step"
-        and isinstance(v, int | float)
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-        and METRIC.fullmatch(k)
-    }
-    return dict(list(numbers.items())[:most])
+    """The finite numbers of a metrics record (`trackers.numbers`), under names the broker
+    takes."""
+    from echorl.trackers import numbers
+
+    kept = {k: v for k, v in numbers(record).items() if math.isfinite(v) and METRIC.fullmatch(k)}
+    return dict(list(kept.items())[:most])
 
 
 def serve(conn, settings: dict, cpus, stopping) -> None:
