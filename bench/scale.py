@@ -127,7 +127,9 @@ def main() -> None:
             r.pop("steps_log")
             results.append(r)
             console.print(f"K={k} {mode}: {time.perf_counter() - t0:.0f} s")
-    table = Table(title=f"emulated swarm ({args.model_gb:g} GB versions, capacity {args.capacity:g}x)")
+    table = Table(
+        title=f"emulated swarm ({args.model_gb:g} GB versions, capacity {args.capacity:g}x)"
+    )
     for h in HEAD:
         table.add_column(h)
     for r in results:
@@ -136,7 +138,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores"
-    out.write_text(json.dumps({"machine": machine, "args": vars(args), "results": results}, indent=1))
+    out.write_text(
+        json.dumps({"machine": machine, "args": vars(args), "results": results}, indent=1)
+    )
     plot(results, out.with_suffix(".png"))
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -216,6 +216,7 @@ class LossConfig(_Section):
     @classmethod
     def _builtin_or_path(cls, name: str) -> str:
         return _builtin_or_path(name, ("ppo_clip", "gspo", "cispo"), "loss")
+
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio lower bound is 1 - clip_low")
     clip_high: float = Field(
         0.28, ge=0.0, le=10.0, description="ratio upper bound is 1 + clip_high (DAPO clip-higher)"
@@ -364,6 +365,28 @@ class BrokerConfig(_Section):
         "version is published (their jobs queued again): a straggler never stalls a step. "
         "Every consumed group is still of the step's version; the cancelled work is reported "
         "as wasted",
+    )
+    activation: Literal["all", "cheapest"] = Field(
+        "all",
+        description="cheapest: with priced samplers (sampler.cost_per_hour), hand jobs only "
+        "to the cheapest proven set whose measured speed covers the trainer's need x (1 + "
+        "activation_margin) and park the rest (registered, heartbeating, leases empty with "
+        "`parked`), waking them the moment the swarm falls short (broker/activation.py); "
+        "all: every sampler works",
+    )
+    activation_margin: float = Field(
+        0.2,
+        ge=0.0,
+        le=10.0,
+        description="activation = cheapest: the active samplers' speed is kept at the "
+        "trainer's need x (1 + this); under (1 + this / 2), parked samplers are woken",
+    )
+    activation_hold_s: float = Field(
+        60.0,
+        ge=0.0,
+        le=86400.0,
+        description="activation = cheapest: no sampler is parked within this long of the "
+        "last change (waking is at once)",
     )
     lease_by_speed: bool = Field(
         False,

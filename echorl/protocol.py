@@ -502,6 +502,7 @@ class SamplerStatus(_Wire):
     fetch_s: float | None = None  # a version's download and load, the median of its last ones
     spent: float | None = None  # cost_per_hour x the time it has been registered
     cost_per_mtoken: float | None = None  # spent per million tokens the trainer consumed
+    parked: bool = False  # broker.activation = cheapest: not handed jobs while others cover
 
 
 class Capacity(_Wire):
@@ -634,6 +635,9 @@ class LeaseReply(_Wire):
     # The weights of `latest_version` (sha256 and size), so that a sampler already holding
     # them need not ask; None before the first publish.
     latest: WeightVersion | None = None
+    # broker.activation = cheapest: cheaper samplers cover the trainer's need, so this one is
+    # handed no jobs until woken (it may keep the latest version meanwhile).
+    parked: bool = False
 
 
 class PushRequest(_Wire):

@@ -62,10 +62,15 @@ def create_app(cfg: RunConfig, read_only: bool = False) -> FastAPI:
     return app
 
 
+ACTIVATE_EVERY = 2  # seconds between cost-aware activation's looks (broker.activation)
+
+
 async def expire_forever(st: BrokerState) -> None:
     """Once a second: lost samplers' and expired leases go back to the queue, and pulled
     groups whose trainer lease ran out are ready again, and auditors' leases that ran out
-    can be taken again (each wakes its long polls)."""
+    can be taken again (each wakes its long polls); every ACTIVATE_EVERY s, priced samplers
+    are parked or woken (`broker.activation`)."""
+    tick = 0
     while True:
         await asyncio.sleep(1.0)
         b = st.cfg.broker
@@ -80,6 +85,8 @@ async def expire_forever(st: BrokerState) -> None:
             st.standing.forget(sampler_id)
         st.groups_bell.ring()
         st.audits_bell.ring()
+        if b.activation == "cheapest" and (tick := tick + 1) % ACTIVATE_EVERY == 0:
+            await asyncio.to_thread(st.activate)
 
 
 PUSHES = ("/v1/rollouts", "/v1/rollouts/batch")

@@ -268,7 +268,9 @@ TRAINER_SHOWN += ("verifier/errors", "rollout/staleness_mean")
 def trained(record: dict) -> dict:
     """What the training view draws of a trainer's metrics record: a few of its numbers,
     and every held-out evaluation's."""
-    return {k: v for k, v in record.items() if k == "step" or k in TRAINER_SHOWN or k[:5] == "eval/"}
+    return {
+        k: v for k, v in record.items() if k == "step" or k in TRAINER_SHOWN or k[:5] == "eval/"
+    }
 
 
 def versions_shown(st) -> list[dict]:

@@ -248,6 +248,8 @@ async def lease(
     def attempt():
         now = time.time()
         st.store.heartbeat(body.sampler_id, now, body.version_held, foreign)
+        if st.activation.is_parked(body.sampler_id):  # until woken (a ring) or the wait ends
+            return []
         return st.store.lease(
             body.sampler_id,
             body.n,
@@ -263,7 +265,10 @@ async def lease(
     jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)
     # Read after the lease: at least the version its admission budget was computed with.
     version = st.store.latest_version()
-    return LeaseReply(jobs=jobs, latest_version=version, latest=st.stored_version(version))
+    parked = not jobs and st.activation.is_parked(body.sampler_id)
+    return LeaseReply(
+        jobs=jobs, latest_version=version, latest=st.stored_version(version), parked=parked
+    )
 
 
 async def arrivals(request: Request, st: BrokerState, many: bool) -> Parsed:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from echorl.broker.activation import Activation
 from echorl.broker.auth import Auth, RateLimit
 from echorl.broker.capacity import Pace, capacity
 from echorl.broker.dashboard import Board
@@ -214,6 +215,7 @@ class BrokerState:
     push_slots: asyncio.Semaphore  # pushes in progress at once (app.Gate)
     fanout: FanOut  # which sampler fetches a weight version from whom
     pace: Pace  # the trainer's steps and the versions' spread, for capacity figures
+    activation: Activation  # which priced samplers are parked (broker/activation.py)
     standing: Standing  # who is proven (leases, verifier turns): broker/standing.py
     auditors: dict[str, float] = field(default_factory=dict)  # name -> last lease call
     board: Board = field(default_factory=Board)  # what the dashboard shows (broker/dashboard.py)
@@ -297,16 +299,43 @@ class BrokerState:
         """`fn(*args)` in the samplers' lane of the writer; returns once committed."""
         return await asyncio.wrap_future(self.writer.samplers.submit(fn, *args))
 
-    def status_reply(self, limit: int) -> StatusReply:
-        """`GET /v1/status`'s answer (also the dashboard's)."""
-        samplers = [
+    def sampler_statuses(self, limit: int) -> list[SamplerStatus]:
+        return [
             SamplerStatus(
                 **row,
                 standing=self.standing.describe(row["id"], row["audited_tokens"]),
                 fetch_s=self.pace.fetch_of(row["id"]),
+                parked=self.activation.is_parked(row["id"]),
             )
-            for row in self.store.samplers(max(limit, 1000))
+            for row in self.store.samplers(limit)
         ]
+
+    def activate(self) -> None:
+        """Park or wake priced samplers (`broker.activation`, broker/activation.py); the
+        long polls of woken samplers are answered."""
+        b, pace = self.cfg.broker, self.pace
+        if b.activation != "cheapest":
+            return
+        needed = pace.step_tokens / pace.train_s if pace.train_s and pace.step_tokens else None
+        busy = None
+        if b.mode == "async" and pace.step_s and pace.train_s:
+            busy = min(1.0, pace.train_s / pace.step_s)
+        samplers = self.sampler_statuses(b.max_samplers)
+        parked, woken = self.activation.decide(samplers, needed, busy)
+        names = {s.id: s.name for s in samplers}
+        if parked or woken:
+            log.info(
+                "activation: parked %s; woke %s (%d parked in all)",
+                ", ".join(sorted(names.get(i, i) for i in parked)) or "none",
+                ", ".join(sorted(names.get(i, i) for i in woken)) or "none",
+                len(self.activation.parked),
+            )
+        if woken:
+            self.jobs_bell.ring()
+
+    def status_reply(self, limit: int) -> StatusReply:
+        """`GET /v1/status`'s answer (also the dashboard's)."""
+        samplers = self.sampler_statuses(max(limit, 1000))
         return StatusReply(
             mode=self.cfg.broker.mode,
             latest_version=self.store.latest_version(),
@@ -549,6 +578,9 @@ def build_state(cfg: RunConfig, read_only: bool = False) -> BrokerState:
         push_slots=asyncio.Semaphore(b.push_slots),
         fanout=FanOut(b.peer_fanout, standing.trusted),
         pace=Pace(),
+        activation=Activation(
+            b.activation_margin, b.activation_hold_s, enabled=b.activation == "cheapest"
+        ),
         standing=standing,
     )
     st.standing.observe(store.standing_rows())

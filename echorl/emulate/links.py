@@ -43,6 +43,7 @@ class Flow:
     left: float
     cap: float
     after: Flow | None = None  # the flow the source is receiving this version by, if any
+    grain: float = 0.0  # bytes: the taker passes on what arrives in pieces of this size
     rate: float = 0.0
     done: asyncio.Future = field(default=None)  # type: ignore[assignment]
 
@@ -120,13 +121,29 @@ class Network:
         """Move `size` bytes from `source` to `taker`; returns once they have arrived.
         `after`: the flow by which `source` is itself receiving them (it passes on no faster
         than they arrive). Cancelled, the transfer leaves the network."""
-        return await self.finish(await self.start(source, taker, size, after))
+        return await self.finish(await self.start(self.open(source, taker, size, after)))
 
-    async def start(self, source: Node, taker: Node, size: float, after: Flow | None = None):
-        """`transfer`'s first half: the flow, once its first byte is on the way."""
-        await self.sleep(1.5 * (source.rtt + taker.rtt))  # the ask and TCP's handshake
-        flow = Flow(source, taker, size, size, path_cap(source, taker), after)
+    def open(
+        self,
+        source: Node | None,
+        taker: Node,
+        size: float,
+        after: Flow | None = None,
+        grain: float = 0.0,
+    ) -> Flow:
+        """A transfer asked for, not yet started: its taker's own takers may follow it
+        already (they get nothing until it starts). `grain`: the taker makes what arrives
+        available to them in pieces of this size."""
+        flow = Flow(source, taker, size, size, math.inf, after, grain)
         flow.done = asyncio.get_running_loop().create_future()
+        return flow
+
+    async def start(self, flow: Flow) -> Flow:
+        """`transfer`'s first half: `flow` (its source set by now) once its first byte is on
+        the way."""
+        await self.sleep(1.5 * (flow.source.rtt + flow.taker.rtt))  # the ask and handshake
+        if flow.done.done():  # failed while it was asked for (its source is gone)
+            return flow
         self._advance()
         self.flows.append(flow)
         self._replan()
@@ -137,11 +154,29 @@ class Network:
         try:
             await flow.done
         finally:
-            if flow in self.flows:
-                self._advance()
-                self.flows.remove(flow)
-                self._replan()
+            if not flow.done.done():  # cancelled
+                self.drop(flow, ConnectionError("the relay gave the transfer up"))
         return flow
+
+    def arrived(self, flow: Flow) -> float:
+        """Bytes of `flow` that have arrived so far."""
+        self._advance()
+        return flow.size - flow.left
+
+    def drop(self, flow: Flow, why: Exception) -> None:
+        """The taker of `flow` gives it up: the flow leaves, and its taker's own takers of
+        those bytes fail with `why` (a relay that starts again cuts those it was feeding)."""
+        self._advance()
+        if flow in self.flows:
+            self.flows.remove(flow)
+        if not flow.done.done():
+            flow.done.set_exception(why)
+            flow.done.exception()  # retrieved: nobody may wait on it
+        for f in [f for f in self.flows if f.after is flow]:
+            self.flows.remove(f)
+            if not f.done.done():
+                f.done.set_exception(why)
+        self._replan()
 
     def cut(self, node: Node, why: Exception) -> None:
         """`node` is gone (crashed, left): the transfers it was sending fail with `why`."""
@@ -155,15 +190,35 @@ class Network:
     def _advance(self) -> None:
         now = self.now()
         dt, self.at = now - self.at, now
-        for f in self.flows:
+        for f in self._upstream_first():  # a taker may go as far as its relay has got
             floor = self._behind(f)
             step = max(0.0, min(f.left - floor, f.rate * dt))
             f.left -= step
             self.moved += step
 
+    def _upstream_first(self) -> list[Flow]:
+        """The flows, every relay's arrival before the flows it feeds."""
+        depth: dict[int, int] = {}
+        live = {id(f) for f in self.flows}
+        for f in self.flows:
+            chain, g = [], f
+            while g is not None and id(g) in live and id(g) not in depth:
+                chain.append(g)
+                g = g.after
+            d = depth.get(id(g), -1) if g is not None else -1
+            for g in reversed(chain):
+                d += 1
+                depth[id(g)] = d
+        return sorted(self.flows, key=lambda f: depth[id(f)])
+
     def _behind(self, f: Flow) -> float:
-        """What `f`'s source has still to receive of the bytes (0 once it holds them all)."""
-        return f.after.left if f.after is not None and f.after in self.flows else 0.0
+        """What `f`'s source has still to pass on of the bytes (0 once it holds them all):
+        what it has yet to receive, and the piece it is receiving."""
+        if f.after is None or f.after.done.done():
+            return 0.0
+        if f.after not in self.flows:  # asked for, not yet started: nothing to pass on
+            return f.size
+        return min(f.size, f.after.left + f.after.grain)
 
     def _replan(self) -> None:
         """Rates for the flows now (twice: a relay's takers that caught up with what it has

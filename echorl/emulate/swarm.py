@@ -18,6 +18,7 @@ score them for real and the trainer gets informative groups.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -37,13 +38,20 @@ from pathlib import Path
 
 import httpx
 
-from echorl.emulate.links import Network, Node
+from echorl.client import CHUNK, PEER_CHECK_S
+from echorl.emulate.links import Flow, Network, Node
 from echorl.models.tokenizer import RunTokenizer
 from echorl.protocol import Took
+from echorl.rollout.peers import PEER_TRIES
 from echorl.tasks import get_task
 
 TRAINER, ENROL = "t" * 32, "s" * 32
 MBIT = 1e6 / 8  # bytes/s
+FREE = 1e13  # bytes/s: a link that costs nothing
+# A real sampler passes on what arrives in the pieces it writes them to its shelf in: from
+# the broker the client's CHUNK (httpx's iter_bytes), from a peer each socket read (raw:
+# httpcore reads 64 KiB at a time).
+PEER_READ = 64 << 10
 TASK = "add"
 
 
@@ -87,10 +95,28 @@ class Scenario:
     churn_per_hour: float = 0.0  # leaves and crashes per sampler per emulated hour
     hostile: float = 0.0  # share of samplers that lease and never push
     overprovision: float = 1.0  # sync: jobs out per version, a multiple of B
+    # Cost-aware activation (broker.activation): "all", or "cheapest" with its margin and
+    # hold (the broker's clock: real seconds).
+    activation: str = "all"
+    activation_margin: float = 0.2
+    activation_hold_s: float = 5.0
+    only: list[int] | None = None  # the samplers (by index of the drawn swarm) that run
     seed: int = 0
     broker_overrides: list[str] = field(default_factory=list)
 
     model_bytes: float | None = None  # a version's size (default: the model's, bf16)
+    # Calibrated machines instead of drawn ones (bench/emulate_check.py: a real run's
+    # measured samplers): each {"tokens_per_s", "fetch_s"} (a version's download and load
+    # in emulated seconds), on links that cost nothing.
+    machines: list[dict] | None = None
+    jobs_per_lease: int | None = None  # fixed; default: about lease_s of generation
+    lease_wait_s: float = 5.0  # the lease's long poll
+    broker_mbit: float | None = None  # the broker's uplink (default: a datacentre's)
+    delta_fraction: float | None = None  # a delta's size, of the full (default: profile's)
+    load_s_per_gb: float | None = None  # a version's load (default: the profile's)
+    length_sigma: float = 0.5  # completion lengths: lognormal around mean_tokens
+    trainer_step_s: float | None = None  # fixed compute a step (default: from tokens/s)
+    trainer_overhead_s: float = 0.0  # a step's own work beside compute (metrics, publish)
 
     def size(self) -> float:
         return self.model_bytes or profiles()["model"][f"bytes_{self.model}"]
@@ -114,6 +140,9 @@ def start_broker(sc: Scenario, data: Path, port: int) -> subprocess.Popen:
         f"train.group_size={sc.group_size}",
         f"broker.peer_fanout={sc.peer_fanout}",
         f"broker.overprovision={sc.overprovision}",
+        f"broker.activation={sc.activation}",
+        f"broker.activation_margin={sc.activation_margin}",
+        f"broker.activation_hold_s={sc.activation_hold_s}",
         f"broker.max_samplers={max(256, 2 * sc.samplers)}",
         "broker.registrations_per_minute=0",
         "broker.sampler_calls_per_s=0",
@@ -160,7 +189,8 @@ class Swarm:
         self.rng = random.Random(sc.seed)
         self.net = Network(sc.speedup)
         dc = self.prof["link"]["datacenter"]
-        self.broker = Node("broker", dc["down_mbit"] * MBIT, dc["up_mbit"] * MBIT)
+        up = (sc.broker_mbit or dc["up_mbit"]) * MBIT
+        self.broker = Node("broker", dc["down_mbit"] * MBIT, up)
         self.trainer_node = Node("trainer", dc["down_mbit"] * MBIT, dc["up_mbit"] * MBIT)
         self.codec = RunTokenizer.builtin()
         self.task = get_task(TASK)
@@ -183,6 +213,7 @@ class Swarm:
         self.generated_tokens = 0.0
         self.joined: list[asyncio.Future] = []  # samplers that joined during the run (churn)
         self.fetches: list[float] = []  # emulated seconds of each fetch and load
+        self.trail: list[tuple] = []  # (version, sampler, its source, emulated time named)
         self.real_size = len(weights_blob(0))
 
     async def call(self, method: str, path: str, token: str, route: str, **kw) -> httpx.Response:
@@ -202,6 +233,23 @@ class Swarm:
         return self.rng.choices(names, weights=[shares[n] for n in names])[0]
 
     def add_sampler(self, k: int, hostile: bool = False) -> EmuSampler:
+        if self.sc.machines:
+            m = self.sc.machines[k % len(self.sc.machines)]
+            node = Node(
+                f"emu{k}",
+                m.get("down_mbit", math.inf) * MBIT,
+                m.get("up_mbit", math.inf) * MBIT,
+                m.get("rtt_ms", 0.0) / 1000,
+            )
+            node.down, node.up = min(node.down, FREE), min(node.up, FREE)
+            s = EmuSampler(self, k, m.get("name", "measured"), "given", node, hostile)
+            s.tokens_per_s, s.fetch_fixed = m.get("tokens_per_s", 0.0), m.get("fetch_s")
+            s.overhead_s = m.get("overhead_s", 0.0)
+            s.per_lease = self.sc.jobs_per_lease or s.per_lease
+            self.samplers.append(s)
+            if self.sc.peer_fanout:
+                self.by_url[s.peer_url] = s
+            return s
         gpu, link = self.draw(self.sc.gpus), self.draw(self.sc.links)
         spec = self.prof["link"][link]
         node = Node(
@@ -212,6 +260,7 @@ class Swarm:
             spec["loss"],
         )
         s = EmuSampler(self, k, gpu, link, node, hostile)
+        s.per_lease = self.sc.jobs_per_lease or s.per_lease
         self.samplers.append(s)
         if self.sc.peer_fanout:
             self.by_url[s.peer_url] = s
@@ -224,17 +273,24 @@ class EmuSampler:
     def __init__(self, swarm: Swarm, k: int, gpu: str, link: str, node: Node, hostile: bool):
         self.swarm, self.k, self.gpu, self.link, self.node = swarm, k, gpu, link, node
         self.hostile = hostile
-        gpus = swarm.prof["gpu"][gpu]
-        self.tokens_per_s = gpus[f"tokens_per_s_{swarm.sc.model}"]
+        gpus = swarm.prof["gpu"].get(gpu, {})
+        self.tokens_per_s = gpus.get(f"tokens_per_s_{swarm.sc.model}", 0.0)
         self.price = gpus.get("price_per_hour")
+        self.fetch_fixed: float | None = None  # a calibrated machine's fetch and load
+        self.overhead_s = 0.0  # and its time a lease beside generating, fetching and waiting
         self.name = f"emu{k}-{gpu}-{link}"
         self.peer_url = f"http://127.0.0.1:{20000 + k}"
         self.id = self.token = ""
         self.held: int | None = None
         self.receiving: dict[int, object] = {}  # version -> the flow bringing it
         self.took: Took | None = None
+        # What it passed on: [version, start, end (None: still going), the flow], recent ones
+        self.served: collections.deque[list] = collections.deque(maxlen=64)
         self.fetch_s: float | None = None
         self.alive = True
+        self.joined, self.gone = swarm.net.now(), None  # emulated s
+        self.parked_since: float | None = None
+        self.parked_s, self.parks = 0.0, 0
         self.pushed = self.leased = self.empty = 0  # groups pushed, jobs leased, empty leases
         self.spent = {"lease": 0.0, "fetch": 0.0, "generate": 0.0, "push": 0.0}  # emulated s
         self.beat_s = 2.0
@@ -290,7 +346,7 @@ class EmuSampler:
         body = {
             "sampler_id": self.id,
             "n": self.per_lease,
-            "wait_s": 5.0,
+            "wait_s": sc.lease_wait_s,
             "version_held": self.held,
         }
         if self.held is not None:
@@ -304,6 +360,7 @@ class EmuSampler:
         reply = r.json()
         jobs = reply["jobs"]
         latest = reply["latest_version"]
+        self.park(reply.get("parked", False))
         want = max([latest, *[j["required_version"] or 0 for j in jobs]]) if jobs else latest
         if want >= 0 and (self.held is None or self.held < want) and want in sw.versions:
             t0 = sw.net.now()
@@ -317,7 +374,7 @@ class EmuSampler:
             return  # it holds them and never pushes: its leases lapse
         lengths = [
             [
-                max(1.0, sw.rng.lognormvariate(math.log(sc.mean_tokens), 0.5))
+                max(1.0, sw.rng.lognormvariate(math.log(sc.mean_tokens), sc.length_sigma))
                 for _ in range(sc.group_size)
             ]
             for _ in jobs
@@ -340,6 +397,8 @@ class EmuSampler:
         self.spent["push"] += sw.net.now() - t0
         if r.status_code < 400:
             self.pushed += sum(x["stored"] for x in r.json()["results"])
+        if self.overhead_s:  # a calibrated machine's own work a lease, beside its push
+            await sw.net.sleep(self.overhead_s - (sw.net.now() - t0))
 
     def group(self, job: dict, lengths: list[float]) -> dict:
         """A group for `job` at the version held: each completion the right answer (half of
@@ -367,47 +426,137 @@ class EmuSampler:
         sw, sc = self.swarm, self.swarm.sc
         t0 = sw.net.now()
         size = sc.size()
-        if sc.deltas and self.held == version - 1:
-            await sw.net.transfer(sw.broker, self.node, size * sw.prof["model"]["delta_fraction"])
+        if self.fetch_fixed is not None:
+            await sw.net.sleep(self.fetch_fixed)
+        elif sc.deltas and self.held == version - 1:
+            share = sc.delta_fraction or sw.prof["model"]["delta_fraction"]
+            await sw.net.transfer(sw.broker, self.node, size * share)
         else:
-            failed = None
-            for _ in range(3):
-                body = {"failed": failed, "took": self.took.model_dump() if self.took else None}
-                r = await sw.call(
-                    "POST", f"/v1/versions/{version}/source", self.token, "source", json=body
-                )
-                if r.status_code >= 400:
-                    await asyncio.sleep(0.5)
-                    continue
-                url = r.json()["url"]
-                peer = sw.by_url.get(url) if url else None
-                source, after = (
-                    (sw.broker, None) if peer is None else (peer.node, peer.receiving.get(version))
-                )
-                t_src = sw.net.now()
-                try:
-                    flow = await sw.net.start(source, self.node, size, after=after)
-                    self.receiving[version] = flow  # what its own takers wait on
-                    await sw.net.finish(flow)
-                except ConnectionError:
-                    failed = url
-                    continue
-                finally:
-                    self.receiving.pop(version, None)
-                seconds = (sw.net.now() - t_src) / sc.speedup
-                self.took = Took(version=version, seconds=max(seconds, 1e-3))
-                break
-            else:
-                await sw.net.transfer(sw.broker, self.node, size)
-        await sw.net.sleep(size / 1e9 * sw.prof["model"]["load_s_per_gb"])
+            await self.obtain(version, size)
+        if self.fetch_fixed is None:
+            per_gb = sc.load_s_per_gb
+            per_gb = sw.prof["model"]["load_s_per_gb"] if per_gb is None else per_gb
+            await sw.net.sleep(size / 1e9 * per_gb)
         self.held = version
         self.fetch_s = (sw.net.now() - t0) / sc.speedup
         sw.fetches.append(sw.net.now() - t0)
         arrived = sw.arrivals.setdefault(version, {})
         arrived[self.id] = sw.net.now() - sw.versions[version]["published"]
 
+    async def obtain(self, version: int, size: float) -> None:
+        """As the real sampler's `peers.obtain`: from the source the broker names, up to
+        PEER_TRIES peers, each failure reported with the next ask; from the broker once it
+        names itself, a peer is under its `min_rate` after PEER_CHECK_S (left, unreported),
+        or they all failed. The time taken is told with the next ask, in the broker's bytes
+        (the stored blob is tiny: seconds scaled so the rate it sees is the emulated one).
+        As the real sampler's shelf, what is arriving can be passed on from the start, before
+        its source is known (a taker gets nothing until it is)."""
+        sw = self.swarm
+        failed, t_src = None, sw.net.now()
+        for _ in range(PEER_TRIES):
+            self.receiving[version] = flow = sw.net.open(None, self.node, size)
+            took = self.took
+            if took is not None and self.held is not None:
+                took = took.model_copy(update={"served": self.served_rate(self.held)})
+            body = {"failed": failed, "took": took.model_dump() if took else None}
+            self.took = None
+            r = await sw.call(
+                "POST", f"/v1/versions/{version}/source", self.token, "source", json=body
+            )
+            if r.status_code >= 400:
+                break
+            named = r.json()
+            peer = sw.by_url.get(named["url"]) if named["url"] else None
+            if peer is None:
+                break
+            sw.trail.append((version, self.name, peer.name, sw.net.now()))
+            try:
+                if await self.pull(flow, peer, version, named.get("min_rate") or 0.0):
+                    self.told(version, t_src, size)
+                    return
+                break  # too slow: the broker, unreported
+            except ConnectionError:
+                failed, t_src = named["url"], sw.net.now()
+                sw.trail.append((version, self.name, "failed " + peer.name, t_src))
+        sw.trail.append((version, self.name, "broker", sw.net.now()))
+        if version not in self.receiving:
+            self.receiving[version] = flow = sw.net.open(None, self.node, size)
+        await self.pull(flow, None, version, 0.0)
+        self.told(version, t_src, size)
+
+    async def pull(self, flow: Flow, peer: EmuSampler | None, version: int, min_rate: float):
+        """`flow` (this sampler's arrival of `version`) from `peer` (None: the broker);
+        False if the peer was left as under `min_rate` (emulated bytes/s) after
+        PEER_CHECK_S. Its own takers follow the bytes as they arrive (in CHUNK pieces from
+        the broker, PEER_READ from a peer)."""
+        sw = self.swarm
+        if peer is None:
+            flow.source = sw.broker
+        else:
+            flow.source, flow.after = peer.node, peer.receiving.get(version)
+        flow.grain = CHUNK if peer is None else PEER_READ
+        t0 = sw.net.now()
+        served = None
+        try:
+            await sw.net.start(flow)
+            if peer is not None:
+                served = [version, sw.net.now(), None, flow]
+                peer.served.append(served)
+            done = asyncio.ensure_future(sw.net.finish(flow))
+            if peer is not None and min_rate:
+                await asyncio.wait([done], timeout=PEER_CHECK_S / sw.sc.speedup)
+                if not done.done():
+                    got = sw.net.arrived(flow)
+                    if got < min_rate * (sw.net.now() - t0) and got < flow.size:
+                        done.cancel()
+                        sw.net.drop(flow, ConnectionError(f"{self.name} left its source"))
+                        sw.trail.append((version, self.name, "left " + peer.name, sw.net.now()))
+                        return False
+            await done
+            return True
+        finally:
+            self.receiving.pop(version, None)
+            if served is not None:
+                served[2] = sw.net.now()
+
+    def told(self, version: int, t0: float, size: float) -> None:
+        """The Took for the next ask: emulated seconds, scaled to the broker's blob size (the
+        rate the broker sees is the emulated one)."""
+        scale = self.swarm.real_size / size
+        self.took = Took(version=version, seconds=max((self.swarm.net.now() - t0) * scale, 1e-9))
+
+    def served_rate(self, version: int) -> float | None:
+        """As the real shelf's: emulated bytes/s `version` went out to peers while any was
+        reading, all of them together; None: it went to nobody."""
+        sent = [(start, end, flow) for v, start, end, flow in self.served if v == version]
+        if not sent:
+            return None
+        now = self.swarm.net.now()
+        busy = max(now if end is None else end for _, end, _ in sent) - min(s for s, _, _ in sent)
+        moved = sum(self.swarm.net.arrived(f) for _, _, f in sent)
+        return moved / busy if moved and busy > 0 else None
+
+    def park(self, parked: bool) -> None:
+        """The broker parked (or woke) this sampler: parked time costs nothing."""
+        now = self.swarm.net.now()
+        if parked and self.parked_since is None:
+            self.parked_since = now
+            self.parks += 1
+        elif not parked and self.parked_since is not None:
+            self.parked_s += now - self.parked_since
+            self.parked_since = None
+
+    def cost(self, start: float, end: float) -> float:
+        """What it cost from `start` to `end` (emulated s): its price for the time it was
+        registered and not parked."""
+        if not self.price:
+            return 0.0
+        parked = self.parked_s + (end - self.parked_since if self.parked_since is not None else 0)
+        begin, stop = max(start, self.joined), min(end, self.gone or end)
+        return self.price * max(0.0, stop - begin - parked) / 3600
+
     def crash(self) -> None:
-        self.alive = False
+        self.alive, self.gone = False, self.swarm.net.now()
         self.swarm.net.cut(self.node, ConnectionError(f"{self.name} crashed"))
 
 
@@ -426,6 +575,7 @@ class EmuTrainer:
         self.consumed: dict[int, int] = {}  # job id -> times consumed
         self.staleness: list[int] = []
         self.busy = 0.0
+        self.t0 = 0.0  # emulated time of its first pull
 
     async def pull(self, step: int) -> tuple[list[dict], float]:
         """B groups for `step` (sync: of version `step`); the emulated seconds waited."""
@@ -454,7 +604,7 @@ class EmuTrainer:
         sw.versions[version] = {"sha256": sha, "published": sw.net.now()}
         sw.latest = version
 
-    async def run(self) -> None:
+    async def hello(self) -> None:
         sw, sc = self.swarm, self.swarm.sc
         hello = {
             "tokenizer": sw.codec.fingerprint,
@@ -465,20 +615,27 @@ class EmuTrainer:
         (
             await sw.call("POST", "/v1/trainer/hello", TRAINER, "hello", json=hello)
         ).raise_for_status()
+
+    async def run(self) -> None:
+        sw, sc = self.swarm, self.swarm.sc
+        await self.hello()
         await self.publish(0)
-        t_start = sw.net.now()
+        t_start = self.t0 = sw.net.now()
         upload = None
         ahead = asyncio.ensure_future(self.pull(0))
         for step in range(sc.steps):
-            groups, waited = await ahead
+            t_wait = sw.net.now()
+            groups, _ = await ahead
+            waited = sw.net.now() - t_wait  # what the prefetch (async) left to wait
             if sw.stop.is_set():
                 return
             tokens = sum(len(c["token_ids"]) for g in groups for c in g["completions"])
-            compute = tokens * sc.token_scale / self.rate
+            compute = sc.trainer_step_s or tokens * sc.token_scale / self.rate
             if sc.mode == "async":  # the next batch is pulled while this one trains
                 ahead = asyncio.ensure_future(self.pull(step + 1))
             await sw.net.sleep(compute)
             self.busy += compute
+            t_books = sw.net.now()
             ids = [g["job_id"] for g in groups]
             for g in groups:
                 self.consumed[g["job_id"]] = self.consumed.get(g["job_id"], 0) + 1
@@ -499,11 +656,12 @@ class EmuTrainer:
             await sw.call(
                 "POST", "/v1/trainer/audit", TRAINER, "audit", json={"step": step, "groups": audits}
             )
+            if sc.trainer_overhead_s:  # a calibrated trainer's own work a step, beside these
+                await sw.net.sleep(sc.trainer_overhead_s - (sw.net.now() - t_books))
             if upload is not None:
                 await upload  # one upload at a time, as the trainer's I/O process
             upload = asyncio.ensure_future(self.publish(step + 1))
-            if sc.mode == "sync":
-                await upload
+            if sc.mode == "sync":  # asked for at once: the wait includes the upload
                 ahead = asyncio.ensure_future(self.pull(step + 1))
             if self.swarm.progress:
                 print(
@@ -565,8 +723,11 @@ async def _emulate(sc: Scenario, url: str, broker_pid: int, progress: bool) -> d
     hostile = set(sw.rng.sample(range(sc.samplers), n_hostile))
     for k in range(sc.samplers):
         sw.add_sampler(k, hostile=k in hostile)
-    trainer = EmuTrainer(sw)
-    tasks = [asyncio.ensure_future(s.run()) for s in sw.samplers]
+    trainer = EmuTrainer(sw)  # sized to the whole drawn swarm, whichever of it runs
+    for s in sw.samplers:
+        if sc.only is not None and s.k not in sc.only:
+            s.alive, s.gone = False, s.joined
+    tasks = [asyncio.ensure_future(s.run()) for s in sw.samplers if s.alive]
     churn = asyncio.ensure_future(_churn(sw)) if sc.churn_per_hour else None
     cpu0, t0 = cpu_seconds(broker_pid), time.perf_counter()
     try:
@@ -603,7 +764,7 @@ async def _churn(sw: Swarm) -> None:
         if sw.rng.random() < crash_share:
             gone.crash()
         else:
-            gone.alive = False
+            gone.alive, gone.gone = False, sw.net.now()
             sw.net.cut(gone.node, ConnectionError(f"{gone.name} left"))
             with contextlib.suppress(httpx.HTTPError):
                 await sw.call("POST", f"/v1/samplers/{gone.id}/leave", gone.token, "leave")
@@ -664,6 +825,31 @@ def summarise(
         "broker_calls_p99_ms": {k: 1000 * p99(v) for k, v in sw.calls.items() if v},
         "capacity": status.get("capacity"),
         "samplers_alive": status["sampler_counts"].get("alive", 0),
+        # What the priced samplers cost (registered and not parked), per trainer step.
+        "cost_per_step": sum(s.cost(trainer.t0, trainer.t0 + span) for s in sw.samplers)
+        / max(1, len(steps)),
+        "active_samplers_mean": sum(
+            max(
+                0.0, min(trainer.t0 + span, s.gone or trainer.t0 + span) - max(trainer.t0, s.joined)
+            )
+            - s.parked_s
+            - (trainer.t0 + span - s.parked_since if s.parked_since is not None else 0.0)
+            for s in sw.samplers
+        )
+        / max(span, 1e-9),
+        "parks": sum(s.parks for s in sw.samplers),
+        "machines": [
+            {
+                "k": s.k,
+                "gpu": s.gpu,
+                "link": s.link,
+                "tokens_per_s": s.tokens_per_s,
+                "price": s.price,
+                "hostile": s.hostile,
+                "parked_s": s.parked_s,
+            }
+            for s in sw.samplers
+        ],  # fmt: skip
         # Where the samplers' emulated time went (shares of all of it), and empty leases.
         "sampler_time": {
             k: sum(s.spent[k] for s in sw.samplers) / max(1e-9, span * len(sw.samplers))
@@ -674,6 +860,64 @@ def summarise(
         "refusal_reasons": sw.reasons,
         "steps_log": steps,
     }
+
+
+async def _spread(sc: Scenario, url: str, versions: int) -> dict:
+    """Versions 0..`versions` published one at a time, every sampler told to fetch each at
+    once (v0 not timed: every sampler fetches it whole first); the emulated seconds until
+    the last holds each, and where they fetched from."""
+    sw = Swarm(sc, url)
+    for k in range(sc.samplers):
+        sw.add_sampler(k)
+    trainer = EmuTrainer(sw)
+    await trainer.hello()
+    await asyncio.gather(*(s.register() for s in sw.samplers))
+    beats = [asyncio.ensure_future(s.beat()) for s in sw.samplers]
+    times = []
+    try:
+        for v in range(versions + 1):
+            await trainer.publish(v)
+            t0 = sw.net.now()
+            await asyncio.gather(*(s.fetch(v) for s in sw.samplers))
+            if v:
+                times.append(sw.net.now() - t0)
+    finally:
+        for s in sw.samplers:
+            s.alive = False
+        for b in beats:
+            b.cancel()
+        await asyncio.gather(*beats, return_exceptions=True)
+        await sw.http.aclose()
+    slowest = min(min(s.node.down for s in sw.samplers), sw.broker.up)
+    return {
+        "seconds_per_version": times,
+        "seconds_to_all": statistics.mean(times),
+        "trail": sw.trail,
+        "lower_bound_s": sc.size() / slowest,
+        "refusals": sw.refusals,
+    }
+
+
+def spread(sc: Scenario, versions: int = 2, workdir: str | Path | None = None) -> dict:
+    """The time for a version to reach every sampler of `sc` (see `_spread`), against a
+    real broker started for it."""
+    with _broker(sc, workdir) as url:
+        return asyncio.run(_spread(sc, url, versions))
+
+
+@contextlib.contextmanager
+def _broker(sc: Scenario, workdir: str | Path | None):
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        port = free_port()
+        broker = start_broker(sc, Path(tmp) / "broker", port)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            broker.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                broker.wait(timeout=30)
+            if broker.poll() is None:
+                broker.kill()
 
 
 def emulate(sc: Scenario, workdir: str | Path | None = None, progress: bool = False) -> dict:

@@ -68,6 +68,7 @@ class Sampler:
         self.tokens_per_s: float | None = None  # of the last batch (its metrics; the broker
         # measures the speed it goes by from what the sampler delivers)
         self.max_body_bytes = cfg.broker.max_body_bytes  # the broker's, once registered
+        self.was_parked = False  # the last lease said parked (broker.activation)
 
     @property
     def version(self) -> int | None:
@@ -81,6 +82,19 @@ class Sampler:
     def ensure_version(self, version: int, known: WeightVersion | None = None) -> float:
         """Hold `version` (`WeightFollower.ensure`); returns the seconds spent."""
         return self.weights.ensure(version, known)
+
+    def parked(self, reply: LeaseReply) -> None:
+        """Parked by the broker (`broker.activation = cheapest`: cheaper samplers cover the
+        trainer's need): no jobs until woken. It keeps the latest version meanwhile, so a
+        wake costs no download (a delta or a peer's copy where the broker offers them)."""
+        if not self.was_parked:
+            log.info(
+                "%s: parked by the broker (cheaper samplers cover the trainer's need); "
+                "keeping the latest version until woken",
+                self.name,
+            )
+        if reply.latest_version >= 0 and self.version != reply.latest_version:
+            self.ensure_version(reply.latest_version, reply.latest)
 
     def work(self, sampler_id: str, reply: LeaseReply, beat: Heartbeat | None = None) -> None:
         """Generate the leased jobs as one batch with one version, and push each group."""
@@ -300,6 +314,11 @@ class Sampler:
                 if reply.jobs:  # silent this long, it would be lost, and its lease with it
                     with Heartbeat(self.client, sampler_id, terms.heartbeat_s, self) as beat:
                         self.work(sampler_id, reply, beat)
+                elif reply.parked:
+                    self.parked(reply)
+                if self.was_parked and not reply.parked:
+                    log.info("%s: woken by the broker: leasing again", self.name)
+                self.was_parked = reply.parked
                 outage.over()  # a whole lease -> generate -> push went through
             except BrokerUnavailable as e:  # the broker is down: back off and carry on
                 outage.failed(e)

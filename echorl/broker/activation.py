@@ -1,0 +1,119 @@
+"""Cost-aware activation (ECHO-2): with priced samplers, only the cheapest set whose speed
+covers what the trainer takes is handed jobs; the rest are parked.
+
+The trainer takes `needed` tokens/s (a step's completion tokens over its compute time,
+`capacity.Pace`). The broker keeps active the samplers that cannot be priced against each
+other (no `cost_per_hour`, not yet proven, speed not yet measured: a newcomer must work to be
+measured) and, of the proven priced ones, the cheapest per token/s until the active speed
+covers `needed` x (1 + margin). The others are parked: they stay registered and heartbeat,
+their leases come back empty with `parked` set (they may keep the latest version, which
+makes waking quick), and cost nothing while parked.
+
+Hysteresis, so that measured speeds' noise moves nobody: a shortfall (the active samplers'
+speed under `needed` x (1 + margin / 2), a sampler gone or slower) wakes the cheapest parked
+at once; parking more waits `hold_s` after the last change, and happens only when it saves
+at least SAVING of the active samplers' cost per hour. Speeds are the broker's measures of
+delivered groups, and only proven samplers' count: a fresh identity's one fast group must
+not park the swarm. Measures can still flatter (a version's fetch between leases is not in
+them), so an async trainer busy under BUSY_FLOOR of its steps wakes one more sampler every
+`hold_s` / 4, whatever the speeds say.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from echorl.broker.capacity import TRUSTED
+from echorl.protocol import SamplerStatus
+
+SAVING = 0.05  # parking happens only when it cuts the active cost per hour by this share
+BUSY_FLOOR = 0.9  # an async trainer busy less than this share of its steps is short
+
+
+class Activation:
+    def __init__(self, margin: float, hold_s: float, enabled: bool = True):
+        self.margin, self.hold_s, self.enabled = margin, hold_s, enabled
+        self.parked: set[str] = set()
+        self.changed = -float("inf")  # monotonic time of the last change
+        self.lock = threading.Lock()
+
+    def is_parked(self, sampler_id: str) -> bool:
+        return sampler_id in self.parked  # a set read: no lock needed for one lookup
+
+    def decide(
+        self,
+        samplers: list[SamplerStatus],
+        needed: float | None,
+        busy: float | None = None,
+        now: float | None = None,
+    ) -> tuple[set[str], set[str]]:
+        """Park or wake from the samplers as they are, the trainer's `needed` tokens/s and
+        (async) the share of its recent steps it was busy; returns (parked now, woken)."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            alive = [s for s in samplers if s.state == "alive"]
+            ids = {s.id for s in alive}
+            woken = self.parked - ids  # gone: nothing to park
+            self.parked &= ids
+            if not self.enabled or not needed:
+                woken |= self.parked
+                self.parked = set()
+                return set(), woken
+            priced = [s for s in alive if _priced(s)]
+            free = sum(_speed(s) for s in alive if not _priced(s) and s.standing in TRUSTED)
+            by_cost = sorted(priced, key=lambda s: s.cost_per_hour / _speed(s))
+            active = free + sum(_speed(s) for s in priced if s.id not in self.parked)
+            idle = busy is not None and busy < BUSY_FLOOR and now - self.changed >= self.hold_s / 4
+            if idle and self.parked:  # the measures flatter: one more, whatever they say
+                s = next(s for s in by_cost if s.id in self.parked)
+                self.parked.discard(s.id)
+                self.changed = now
+                return set(), woken | {s.id}
+            if active < needed * (1 + self.margin / 2):  # short: wake the cheapest at once
+                for s in by_cost:
+                    if active >= needed * (1 + self.margin):
+                        break
+                    if s.id in self.parked:
+                        self.parked.discard(s.id)
+                        woken.add(s.id)
+                        active += _speed(s)
+                if woken:
+                    self.changed = now
+                return set(), woken
+            if now - self.changed < self.hold_s:
+                return set(), woken
+            keep = cheapest_cover(by_cost, needed * (1 + self.margin) - free)
+            cost = sum(s.cost_per_hour for s in priced if s.id not in self.parked)
+            kept_cost = sum(s.cost_per_hour for s in keep)
+            if kept_cost > cost * (1 - SAVING):
+                return set(), woken
+            new = {s.id for s in priced} - {s.id for s in keep}
+            parked, woke = new - self.parked, self.parked - new
+            self.parked, self.changed = new, now
+            return parked, woken | woke
+
+
+def cheapest_cover(by_cost: list[SamplerStatus], rate: float) -> list[SamplerStatus]:
+    """Samplers (sorted by cost per token/s) whose speeds together reach `rate`: the cheapest
+    per token/s first, then any whose speed the rest still covers without, dearest first."""
+    keep, got = [], 0.0
+    for s in by_cost:
+        if got >= rate:
+            break
+        keep.append(s)
+        got += _speed(s)
+    for s in sorted(keep, key=lambda s: -s.cost_per_hour):
+        if got - _speed(s) >= rate:
+            keep.remove(s)
+            got -= _speed(s)
+    return keep
+
+
+def _priced(s: SamplerStatus) -> bool:
+    """Whether the policy may park `s`: it tells its price, is proven, and has a speed."""
+    return s.cost_per_hour is not None and s.standing in TRUSTED and _speed(s) > 0
+
+
+def _speed(s: SamplerStatus) -> float:
+    return s.tokens_per_s or 0.0
