@@ -6,12 +6,20 @@ trainer's). Each row is one run of `--steps` trainer steps.
     python bench/scale.py                          # K = 16, 64, 256 x sync, async
     python bench/scale.py --k 1024 --modes async   # one row
     python bench/scale.py --k 64 --churn 0.1 --hostile 0.05
+    python bench/scale.py --spread --k 256 1024     # a version to every sampler, alone
 
 Per row: steps per emulated minute, the trainer's utilisation (compute over wall, steady
 state) and its mean wait a step against what the provisioning rule predicts, the consumed
 groups' staleness, wasted tokens (pushed, never consumed), a version's fetch (median,
 emulated s), the broker's CPU share and /healthz p99 (real ms), and the emulation's own
 real seconds. Writes bench/results/scale.json and bench/results/scale.png.
+
+`--spread`: no training, only the versions: one published, every sampler told to fetch it
+at once (after the one before, held by all), the emulated seconds until every honest sampler
+holds it against the lower bound (each sampler takes the bytes over its own downlink; the
+broker sends them once): full from the broker alone, full with peers (fan-out 2), as a delta
+with peers, and full with peers of which `--hostile` (default 5%) trickle. Writes
+bench/results/scale_spread.json.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-from echorl.emulate.swarm import Scenario, emulate  # noqa: E402
+from echorl.emulate.swarm import Scenario, emulate, spread  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 # A 10x spread of speeds (RTX 3090 to H200, profiles.toml) and links from the datacenter to
@@ -101,6 +109,56 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
+SPREADS = {
+    "full, broker alone": {"peer_fanout": 0},
+    "full, peers": {"peer_fanout": 2},
+    "delta, peers": {"peer_fanout": 2, "deltas": True},
+    "full, peers, hostile": {"peer_fanout": 2, "hostile": None},  # None: --hostile
+}
+
+
+def spreads(args, console: Console) -> None:
+    rows = []
+    for k in args.k:
+        for name, knobs in SPREADS.items():
+            knobs = {**knobs, "hostile": knobs.get("hostile", 0.0)}
+            if knobs["hostile"] is None:
+                knobs["hostile"] = args.hostile or 0.05
+            if knobs["peer_fanout"] == 0 and k > 64:
+                continue  # K full copies over the broker's uplink: its bound, K x W / B
+            sc = Scenario(
+                samplers=k,
+                model_bytes=args.model_gb * 1e9,
+                gpus=GPUS,
+                links=LINKS,
+                speedup=args.speedup,
+                broker_overrides=["broker.lease_silence_s=30", "broker.sampler_timeout=600"],
+                **knobs,
+            )
+            t0 = time.perf_counter()
+            r = spread(sc, versions=1)
+            r.pop("trail")
+            ratio = r["seconds_to_all"] / r["lower_bound_s"]
+            rows.append({"k": k, "how": name, **knobs, **r, "over_bound": ratio,
+                         "real_s": time.perf_counter() - t0})  # fmt: skip
+            console.print(
+                f"K={k} {name}: {r['seconds_to_all']:.0f} s against {r['lower_bound_s']:.0f} "
+                f"({ratio:.2f}x), {r['sources']} ({time.perf_counter() - t0:.0f} real s)"
+            )
+    table = Table(title=f"a {args.model_gb:g} GB version to every sampler (emulated)")
+    for h in ("K", "how", "s to all", "lower bound s", "x bound", "sources", "real s"):
+        table.add_column(h)
+    for r in rows:
+        table.add_row(
+            str(r["k"]), r["how"], f"{r['seconds_to_all']:.0f}", f"{r['lower_bound_s']:.0f}",
+            f"{r['over_bound']:.2f}", str(r["sources"]), f"{r['real_s']:.0f}",
+        )  # fmt: skip
+    console.print(table)
+    out = RESULTS / "scale_spread.json"
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    console.print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="+", default=[16, 64, 256])
@@ -116,9 +174,12 @@ def main() -> None:
     ap.add_argument("--churn", type=float, default=0.0, help="departures per sampler-hour")
     ap.add_argument("--hostile", type=float, default=0.0, help="share that lease and never push")
     ap.add_argument("--progress", action="store_true", help="print each trainer step")
+    ap.add_argument("--spread", action="store_true", help="only a version to every sampler")
     ap.add_argument("--out", default=str(RESULTS / "scale.json"))
     args = ap.parse_args()
     console = Console()
+    if args.spread:
+        return spreads(args, console)
     results = []
     for k in args.k:
         for mode in args.modes:

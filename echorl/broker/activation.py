@@ -11,12 +11,17 @@ makes waking quick), and cost nothing while parked.
 
 Hysteresis, so that measured speeds' noise moves nobody: a shortfall (the active samplers'
 speed under `needed` x (1 + margin / 2), a sampler gone or slower) wakes the cheapest parked
-at once; parking more waits `hold_s` after the last change, and happens only when it saves
+at once (in async, while the trainer is busy, only a departure); parking more waits `hold_s` after the last change, and happens only when it saves
 at least SAVING of the active samplers' cost per hour. Speeds are the broker's measures of
 delivered groups, and only proven samplers' count: a fresh identity's one fast group must
-not park the swarm. Measures can still flatter (a version's fetch between leases is not in
-them), so an async trainer busy under BUSY_FLOOR of its steps wakes one more sampler every
-`hold_s` / 4, whatever the speeds say.
+not park the swarm. In async the trainer's own busy share (compute over the time between its
+steps) checks them: busy under BUSY_FLOOR, one more sampler is woken every `hold_s` / 4
+whatever the speeds say; busy over BUSY_PARK while the speeds see no surplus (they count a
+version's fetch in a sampler's time: with everyone active, each fetches every version for a
+few jobs and looks slower than it is), the working samplers' idle share (the time their
+leases waited and came back empty, which the broker sees for itself) sizes the surplus,
+and the dearest per token/s are parked until it is gone, every `hold_s` at most. Between
+the two, nothing moves.
 """
 
 from __future__ import annotations
@@ -28,18 +33,28 @@ from echorl.broker.capacity import TRUSTED
 from echorl.protocol import SamplerStatus
 
 SAVING = 0.05  # parking happens only when it cuts the active cost per hour by this share
-BUSY_FLOOR = 0.9  # an async trainer busy less than this share of its steps is short
+BUSY_FLOOR = 0.92  # an async trainer busy less than this share of its steps is short
+BUSY_PARK = 0.96  # ... busy more than this, it has samplers to spare
 
 
 class Activation:
     def __init__(self, margin: float, hold_s: float, enabled: bool = True):
         self.margin, self.hold_s, self.enabled = margin, hold_s, enabled
         self.parked: set[str] = set()
+        self.working: set[str] = set()  # the alive samplers not parked, at the last look
+        self.idle_s = 0.0  # seconds working samplers waited in leases that came back empty
+        self.looked = -float("inf")  # when `decide` last ran
         self.changed = -float("inf")  # monotonic time of the last change
         self.lock = threading.Lock()
 
     def is_parked(self, sampler_id: str) -> bool:
         return sampler_id in self.parked  # a set read: no lock needed for one lookup
+
+    def waited(self, sampler_id: str, seconds: float) -> None:
+        """A working sampler's lease waited `seconds` and came back empty: time to spare."""
+        if sampler_id not in self.parked:
+            with self.lock:
+                self.idle_s += seconds
 
     def decide(
         self,
@@ -52,6 +67,11 @@ class Activation:
         (async) the share of its recent steps it was busy; returns (parked now, woken)."""
         now = time.monotonic() if now is None else now
         with self.lock:
+            idle_share = None  # of the working samplers' time since the last look
+            span = (now - self.looked) * len(self.working)
+            if span > 0 and self.looked > -float("inf"):
+                idle_share = min(1.0, self.idle_s / span)
+            self.idle_s, self.looked = 0.0, now
             alive = [s for s in samplers if s.state == "alive"]
             ids = {s.id for s in alive}
             woken = self.parked - ids  # gone: nothing to park
@@ -68,9 +88,14 @@ class Activation:
             if idle and self.parked:  # the measures flatter: one more, whatever they say
                 s = next(s for s in by_cost if s.id in self.parked)
                 self.parked.discard(s.id)
+                self.working.add(s.id)
                 self.changed = now
                 return set(), woken | {s.id}
-            if active < needed * (1 + self.margin / 2):  # short: wake the cheapest at once
+            departed = bool(self.working - ids)
+            self.working = {s.id for s in alive if s.id not in self.parked}
+            # A busy async trainer outranks the speeds (they undercount), unless one left.
+            heed = busy is None or busy < BUSY_FLOOR or departed
+            if heed and active < needed * (1 + self.margin / 2):  # short: wake at once
                 for s in by_cost:
                     if active >= needed * (1 + self.margin):
                         break
@@ -80,6 +105,7 @@ class Activation:
                         active += _speed(s)
                 if woken:
                     self.changed = now
+                    self.working |= woken
                 return set(), woken
             if now - self.changed < self.hold_s:
                 return set(), woken
@@ -87,10 +113,32 @@ class Activation:
             cost = sum(s.cost_per_hour for s in priced if s.id not in self.parked)
             kept_cost = sum(s.cost_per_hour for s in keep)
             if kept_cost > cost * (1 - SAVING):
-                return set(), woken
+                # The speeds see no surplus, but they undercount it (a sampler that fetches
+                # each version for a few jobs looks slow; with fewer active, each makes
+                # more tokens a version): a trainer busy over BUSY_PARK has room to spare,
+                # so one more goes, the dearest per token/s, while it stays so.
+                working = [s for s in by_cost if s.id not in self.parked]
+                if busy is None or busy < BUSY_PARK or len(working) < 2 or idle_share is None:
+                    return set(), woken
+                # Idle a share i of their time, the working samplers make 1 / (1 - i) of
+                # what is taken: keeping (1 - i)(1 + margin) of them covers it with headroom.
+                spare = 1 - (1 - idle_share) * (1 + self.margin)
+                if spare <= 0:
+                    return set(), woken
+                total, parked = sum(_speed(s) for s in working), set()
+                for s in reversed(working[1:]):  # the dearest per token/s first
+                    if _speed(s) > spare * total:
+                        break
+                    parked.add(s.id)
+                    spare -= _speed(s) / total
+                self.parked |= parked
+                self.working -= parked
+                self.changed = now
+                return parked, woken
             new = {s.id for s in priced} - {s.id for s in keep}
             parked, woke = new - self.parked, self.parked - new
             self.parked, self.changed = new, now
+            self.working = ids - new
             return parked, woken | woke
 
 

@@ -52,6 +52,7 @@ FREE = 1e13  # bytes/s: a link that costs nothing
 # the broker the client's CHUNK (httpx's iter_bytes), from a peer each socket read (raw:
 # httpcore reads 64 KiB at a time).
 PEER_READ = 64 << 10
+HOSTILE_UP = 1e3  # bytes/s a hostile sampler serves its peers at
 TASK = "add"
 
 
@@ -105,6 +106,7 @@ class Scenario:
     broker_overrides: list[str] = field(default_factory=list)
 
     model_bytes: float | None = None  # a version's size (default: the model's, bf16)
+    progress_every: bool = False  # print as it goes
     # Calibrated machines instead of drawn ones (bench/emulate_check.py: a real run's
     # measured samplers): each {"tokens_per_s", "fetch_s"} (a version's download and load
     # in emulated seconds), on links that cost nothing.
@@ -259,6 +261,8 @@ class Swarm:
             spec["rtt_ms"] / 1000,
             spec["loss"],
         )
+        if hostile:  # as a peer it trickles: its takers must leave it (min_rate) or wait
+            node.up = HOSTILE_UP
         s = EmuSampler(self, k, gpu, link, node, hostile)
         s.per_lease = self.sc.jobs_per_lease or s.per_lease
         self.samplers.append(s)
@@ -828,6 +832,13 @@ def summarise(
         # What the priced samplers cost (registered and not parked), per trainer step.
         "cost_per_step": sum(s.cost(trainer.t0, trainer.t0 + span) for s in sw.samplers)
         / max(1, len(steps)),
+        # ... over the run's second half (a policy that adapts has settled by then)
+        "cost_per_step_late": sum(
+            s.cost(trainer.t0 + steps[len(steps) // 2]["t"], trainer.t0 + span) for s in sw.samplers
+        )
+        / max(1, len(steps) - len(steps) // 2 - 1)
+        if len(steps) > 2
+        else None,
         "active_samplers_mean": sum(
             max(
                 0.0, min(trainer.t0 + span, s.gone or trainer.t0 + span) - max(trainer.t0, s.joined)
@@ -846,7 +857,8 @@ def summarise(
                 "tokens_per_s": s.tokens_per_s,
                 "price": s.price,
                 "hostile": s.hostile,
-                "parked_s": s.parked_s,
+                "parked_s": s.parked_s
+                + (trainer.t0 + span - s.parked_since if s.parked_since is not None else 0.0),
             }
             for s in sw.samplers
         ],  # fmt: skip
@@ -865,22 +877,30 @@ def summarise(
 async def _spread(sc: Scenario, url: str, versions: int) -> dict:
     """Versions 0..`versions` published one at a time, every sampler told to fetch each at
     once (v0 not timed: every sampler fetches it whole first); the emulated seconds until
-    the last holds each, and where they fetched from."""
+    the last honest one holds each (hostile samplers, `sc.hostile`, fetch too, and serve
+    their takers at a trickle), against the lower bound: every sampler takes the bytes
+    over its own downlink, and the broker sends them at least once."""
     sw = Swarm(sc, url)
+    hostile = set(sw.rng.sample(range(sc.samplers), round(sc.hostile * sc.samplers)))
     for k in range(sc.samplers):
-        sw.add_sampler(k)
+        sw.add_sampler(k, hostile=k in hostile)
     trainer = EmuTrainer(sw)
     await trainer.hello()
     await asyncio.gather(*(s.register() for s in sw.samplers))
     beats = [asyncio.ensure_future(s.beat()) for s in sw.samplers]
+    honest = [s for s in sw.samplers if not s.hostile]
     times = []
     try:
         for v in range(versions + 1):
             await trainer.publish(v)
             t0 = sw.net.now()
-            await asyncio.gather(*(s.fetch(v) for s in sw.samplers))
+            others = [asyncio.ensure_future(s.fetch(v)) for s in sw.samplers if s.hostile]
+            await asyncio.gather(*(s.fetch(v) for s in honest))
             if v:
                 times.append(sw.net.now() - t0)
+            await asyncio.gather(*others)
+            if sc.progress_every and v:
+                print(f"version {v}: {times[-1]:.1f} emulated s to all", file=sys.stderr)
     finally:
         for s in sw.samplers:
             s.alive = False
@@ -888,12 +908,16 @@ async def _spread(sc: Scenario, url: str, versions: int) -> dict:
             b.cancel()
         await asyncio.gather(*beats, return_exceptions=True)
         await sw.http.aclose()
-    slowest = min(min(s.node.down for s in sw.samplers), sw.broker.up)
+    named = collections.Counter(
+        "broker" if src == "broker" else src.split()[0] if " " in src else "peer"
+        for _, _, src, _ in sw.trail
+    )
     return {
         "seconds_per_version": times,
         "seconds_to_all": statistics.mean(times),
+        "lower_bound_s": sc.size() / min(sw.broker.up, *(s.node.down for s in honest)),
+        "sources": dict(named),  # named: broker / peer; failed / left: peers given up
         "trail": sw.trail,
-        "lower_bound_s": sc.size() / slowest,
         "refusals": sw.refusals,
     }
 

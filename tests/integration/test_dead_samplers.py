@@ -83,7 +83,9 @@ def test_a_sampler_killed_under_echorl_run_costs_seconds(tmp_path, model):
     try:
         wait_until(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 3, what="3 records")
         wait_until(lambda: holds(out / "broker", "sampler-1"), poll=0.005, what="a lease")
-        found = subprocess.run(["pgrep", "-f", "--", "--name sampler-1"], capture_output=True, text=True)
+        found = subprocess.run(
+            ["pgrep", "-f", "--", "--name sampler-1"], capture_output=True, text=True
+        )
         (pid,) = map(int, found.stdout.split())
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)

@@ -227,7 +227,14 @@ def test_a_trainer_by_hand_resumes_from_its_own_config(tmp_path):
     )
 
     model = save_tiny_model(tmp_path / "v0", "1m", seed=0)
-    run = ["-o", "train.batch_prompts=4", "-o", "train.group_size=2", "-o", "sampling.max_new_tokens=4"]
+    run = [
+        "-o",
+        "train.batch_prompts=4",
+        "-o",
+        "train.group_size=2",
+        "-o",
+        "sampling.max_new_tokens=4",
+    ]
     run += ["-o", "train.eval_prompts=4", "-o", "broker.mode=async"]
     proc, url = start_broker(tmp_path / "b", free_port(), *run)
     sampler = start_sampler(url, model, "s0", *run)
@@ -238,22 +245,39 @@ def test_a_trainer_by_hand_resumes_from_its_own_config(tmp_path):
         saved = yaml.safe_load((out / "config.yaml").read_text())
         assert saved["train"]["batch_prompts"] == 4 and saved["broker"]["trainer_token"] is None
         env = os.environ | {"ECHORL_TRAINER_TOKEN": TRAINER}
-        trainer = [sys.executable, "-m", "echorl.cli", "trainer", "--broker", url, "--out", str(out)]
+        trainer = [
+            sys.executable,
+            "-m",
+            "echorl.cli",
+            "trainer",
+            "--broker",
+            url,
+            "--out",
+            str(out),
+        ]
         refused = subprocess.run(
             [*trainer, "--resume", "-o", "train.batch_prompts=8"],
-            env=env, capture_output=True, text=True, timeout=120,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert refused.returncode == 2, refused.stdout + refused.stderr
         said = " ".join(refused.stdout.split())  # as wrapped for the terminal
         assert "train.batch_prompts: 4 in" in said and ", 8 asked" in said, said
         resumed = subprocess.run(
             [*trainer, "--resume", "-o", "train.steps=5"],
-            env=env, capture_output=True, text=True, timeout=300,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
         assert steps == [1, 2, 3, 4, 5]
-        consumed = query(tmp_path / "b", "SELECT consumed_step FROM rollouts WHERE state = 'consumed'")
+        consumed = query(
+            tmp_path / "b", "SELECT consumed_step FROM rollouts WHERE state = 'consumed'"
+        )
         assert Counter(s for (s,) in consumed) == {s: 4 for s in range(5)}  # none twice
     finally:
         sampler.terminate()

@@ -33,6 +33,8 @@ def test_every_step_has_b_informative_groups(tmp_path, warm_add, mode):
     assert flat > 0, "no flat group was drawn: the test shows nothing"
     assert train[-1]["broker/flat_refilled"] <= flat  # logged as the trainer last pulled
     assert 0 < train[-1]["rollout/refill_rate"] < 1
-    consumed = query(out / "broker", "SELECT consumed_step, rewards FROM rollouts WHERE state = 'consumed'")
+    consumed = query(
+        out / "broker", "SELECT consumed_step, rewards FROM rollouts WHERE state = 'consumed'"
+    )
     assert len(consumed) == 5 * 4
     assert all(len(set(json.loads(r))) > 1 for _, r in consumed)

@@ -40,3 +40,37 @@ def test_64_emulated_samplers_keep_the_runs_invariants(tmp_path, mode):
     assert r["predicted_wait_s"] is not None
     assert r["trainer_wait_s"] <= 1.5 * r["predicted_wait_s"] + MARGIN_S
     assert r["healthz_p99_ms"] < 1000
+
+
+@pytest.mark.long  # ~60 s
+def test_cost_aware_activation_parks_the_dear_samplers_over_the_wire(tmp_path):
+    """broker.activation = cheapest, 16 priced samplers making 3x what the trainer takes:
+    the broker parks some (their leases come back empty with `parked`), every step still
+    gets its B groups within the staleness bound, and the parked ones cost less than
+    everyone active would have (what their parked time saved)."""
+    sc = Scenario(
+        samplers=16,
+        mode="async",
+        steps=12,
+        capacity=3.0,
+        speedup=10.0,
+        batch_prompts=128,
+        mean_tokens=512,
+        max_staleness=2,
+        model_bytes=0.5e9,
+        links={"datacenter": 1.0},
+        activation="cheapest",
+        activation_hold_s=3.0,
+        broker_overrides=["broker.lease_silence_s=15"],
+    )
+    r = emulate(sc, workdir=tmp_path)
+    parked = [m for m in r["machines"] if m["parked_s"] > 0]
+    print({k: r[k] for k in ("parks", "active_samplers_mean", "trainer_util", "cost_per_step")})
+    assert r["parks"] >= 1 and parked
+    assert r["active_samplers_mean"] < 16
+    assert r["steps"] == 12 and r["groups_consumed"] == 12 * 128
+    assert r["consumed_twice"] == 0 and r["staleness_max"] <= 2
+    # The dearest per token/s are the ones parked longest.
+    by_ratio = sorted(r["machines"], key=lambda m: m["price"] / m["tokens_per_s"])
+    cheapest, dearest = by_ratio[: len(by_ratio) // 4], by_ratio[-len(by_ratio) // 4 :]
+    assert sum(m["parked_s"] for m in dearest) > sum(m["parked_s"] for m in cheapest)

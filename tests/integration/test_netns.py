@@ -192,14 +192,22 @@ def test_a_sampler_behind_a_slow_link_whose_groups_go_stale_is_named_with_the_cu
             link = net.add("slowbox", mbit=6)
             procs.append(start_sampler(remote, model, "slowbox", *run, inside=link.exec()))
             procs.append(start_sampler(url, model, "fastbox", *run))
-            procs.append(start_trainer(url, model, tmp_path / "t", "-o", "train.steps=100000", *run))
+            procs.append(
+                start_trainer(url, model, tmp_path / "t", "-o", "train.steps=100000", *run)
+            )
             account = "SELECT pushed, stale FROM samplers WHERE name = 'slowbox'"
-            wait_until(lambda: (query(data, account) or [(0, 0)])[0][1] >= 8, timeout=240,
-                       what="8 of the slow sampler's groups dropped stale")
+            wait_until(
+                lambda: (query(data, account) or [(0, 0)])[0][1] >= 8,
+                timeout=240,
+                what="8 of the slow sampler's groups dropped stale",
+            )
             env = os.environ | {"ECHORL_TOKEN": TRAINER, "COLUMNS": "400"}
             shown = subprocess.run(
                 [sys.executable, "-m", "echorl.cli", "status", "--broker", url],
-                env=env, capture_output=True, text=True, timeout=60,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
             ).stdout
     finally:
         for proc in procs:
@@ -208,10 +216,15 @@ def test_a_sampler_behind_a_slow_link_whose_groups_go_stale_is_named_with_the_cu
             proc.communicate(timeout=60)
         stop_broker(broker)
     said = " ".join(shown.split())
-    line = re.search(r"slowbox \(\w+\): (all|\d+) of its \d+ groups dropped stale: a version "
-                     r"takes it ([\d.]+) s against a ([\d.]+) s step; try [^\n]*", said)
+    line = re.search(
+        r"slowbox \(\w+\): (all|\d+) of its \d+ groups dropped stale: a version "
+        r"takes it ([\d.]+) s against a ([\d.]+) s step; try [^\n]*",
+        said,
+    )
     assert line, said
     assert float(line.group(2)) > 3 * float(line.group(3))
-    assert "broker.sampler_dtype=bfloat16" in line.group(0) and "sampler.serve_peers" in line.group(0)
+    assert "broker.sampler_dtype=bfloat16" in line.group(0) and "sampler.serve_peers" in line.group(
+        0
+    )
     assert "broker.max_staleness >=" in line.group(0)
     assert [w for w in shown.splitlines() if "dropped stale" in w and "fastbox" in w] == []

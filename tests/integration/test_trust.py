@@ -299,7 +299,9 @@ def test_a_sampler_can_act_only_as_itself_and_a_revoked_one_not_at_all(broker):
     ]
     # Everything but when each was last seen and the refusals its account counts.
     columns = [c for (_, c, *_) in query(data, "PRAGMA table_info(samplers)")]
-    samplers = f"SELECT {', '.join(c for c in columns if c not in ('last_seen', 'refused'))} FROM samplers"
+    samplers = (
+        f"SELECT {', '.join(c for c in columns if c not in ('last_seen', 'refused'))} FROM samplers"
+    )
     before = query(data, samplers), query(data, "SELECT * FROM jobs")
     for r in cases:
         assert r.status_code == 403, (r.request.method, r.request.url, r.text)

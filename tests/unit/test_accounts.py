@@ -6,21 +6,39 @@ from echorl.protocol import Capacity, SamplerStatus, StatusReply
 
 def sampler(name, **account) -> SamplerStatus:
     base = dict(
-        id=f"{name}-0123456789", name=name, hardware="cpu", backend="hf", max_batch=16,
-        last_seen=100.0, version_held=3, tokens_per_s=1000.0, state="alive",
+        id=f"{name}-0123456789",
+        name=name,
+        hardware="cpu",
+        backend="hf",
+        max_batch=16,
+        last_seen=100.0,
+        version_held=3,
+        tokens_per_s=1000.0,
+        state="alive",
     )
     return SamplerStatus(**(base | account))
 
 
 def status(mode, *samplers, step_s=0.3, max_staleness=1) -> StatusReply:
     cap = Capacity(
-        train_s=0.25, step_s=step_s, trainer_busy=0.8, step_tokens=1000, needed_tokens_per_s=4000,
-        swarm_tokens_per_s=3000, dissemination_s=0.2, staleness_to_overlap=1,
+        train_s=0.25,
+        step_s=step_s,
+        trainer_busy=0.8,
+        step_tokens=1000,
+        needed_tokens_per_s=4000,
+        swarm_tokens_per_s=3000,
+        dissemination_s=0.2,
+        staleness_to_overlap=1,
         max_staleness=max_staleness,
     )
     return StatusReply(
-        mode=mode, latest_version=9, samplers=list(samplers), jobs={}, rollouts={},
-        ready_by_version={}, capacity=cap,
+        mode=mode,
+        latest_version=9,
+        samplers=list(samplers),
+        jobs={},
+        rollouts={},
+        ready_by_version={},
+        capacity=cap,
     )
 
 
@@ -33,7 +51,10 @@ def test_a_slow_link_sampler_whose_groups_all_go_stale_is_named_with_the_cure():
         "against a 0.30 s step; try broker.sampler_dtype=bfloat16 (versions as deltas), or "
         "sampler.serve_peers, or broker.max_staleness >= 6"
     ]
-    assert "box2" in warnings(status("sync", slow))[0] and "broker.mode=async" in warnings(status("sync", slow))[0]
+    assert (
+        "box2" in warnings(status("sync", slow))[0]
+        and "broker.mode=async" in warnings(status("sync", slow))[0]
+    )
 
 
 def test_refusals_cancellations_and_lapses_are_named_and_healthy_samplers_are_not():

@@ -196,7 +196,14 @@ def test_a_resume_given_the_runs_own_config_still_refuses_flags_that_change_the_
     out.mkdir()
     save_config(load_config(None, ["task.name=add", f"train.out_dir={out}"]), out / "config.yaml")
     cmd = [sys.executable, "-m", "echorl.cli", "trainer", "--resume", "--out", str(out)]
-    cmd += ["-c", str(out / "config.yaml"), "-o", "task.name=countdown", "--broker", "http://127.0.0.1:9"]
+    cmd += [
+        "-c",
+        str(out / "config.yaml"),
+        "-o",
+        "task.name=countdown",
+        "--broker",
+        "http://127.0.0.1:9",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     said = " ".join(done.stdout.split())

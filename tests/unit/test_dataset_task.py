@@ -183,11 +183,16 @@ def test_a_small_training_file_beside_a_large_eval_file_is_drawn_as_often(data):
     many = [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(100) for b in range(100)]
     (data / "many.jsonl").write_text("".join(json.dumps(r) + "\n" for r in many))
     _, task = task_of(
-        data, rewards(data, "correct"), f"task.eval_dataset={data / 'many.jsonl'}", dataset="few.jsonl"
+        data,
+        rewards(data, "correct"),
+        f"task.eval_dataset={data / 'many.jsonl'}",
+        dataset="few.jsonl",
     )
     drawn = [task.problem(seed) for seed in range(1000)]
     train = [p for p in drawn if not is_heldout(p)]
-    assert 450 <= len(train) <= 550 and {p.prompt for p in train} == {r["prompt"] for r in ROWS[:10]}
+    assert 450 <= len(train) <= 550 and {p.prompt for p in train} == {
+        r["prompt"] for r in ROWS[:10]
+    }
     assert all("*" in p.prompt for p in drawn if is_heldout(p))
 
 

@@ -39,7 +39,14 @@ def test_the_site_builds_strict_with_generated_reference(tmp_path):
         "mkdocs-material is not installed: pip install 'echorl[test]' (or [docs])"
     )
     built = subprocess.run(
-        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-q", "-d", str(tmp_path)],
+        [
+            str(Path(sys.executable).parent / "mkdocs"),
+            "build",
+            "--strict",
+            "-q",
+            "-d",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -18,7 +18,9 @@ def swarm_with_trainer(tmp_path, code: int) -> Swarm:
     swarm = Swarm(out=tmp_path, url="http://127.0.0.1:9", env={})
     trainer = Role("trainer", ("trainer",))
     # A real process that is alive at the round's first look and exits with `code` soon after.
-    trainer.proc = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(0.3); exit({code})"])
+    trainer.proc = subprocess.Popen(
+        [sys.executable, "-c", f"import time; time.sleep(0.3); exit({code})"]
+    )
     swarm.roles["trainer"] = trainer
     return swarm
 

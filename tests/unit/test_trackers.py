@@ -8,7 +8,9 @@ import pytest
 from echorl.config import load_config
 from echorl.metrics import MetricsLog, read_metrics, tracking
 
-RECORDS = [{"step": s, "reward/mean": 0.1 * s, "rewards/correct": s / 4, "note": "x"} for s in (1, 2, 3)]
+RECORDS = [
+    {"step": s, "reward/mean": 0.1 * s, "rewards/correct": s / 4, "note": "x"} for s in (1, 2, 3)
+]
 
 
 def wandb_records(out) -> list:
@@ -69,7 +71,10 @@ def test_wandb_offline_gets_config_steps_and_summary(tmp_path):
     config = items(run.config.update)
     assert config["train"]["steps"] == 3 and config["metrics"]["wandb"] is True
     assert config["broker"]["trainer_token"] is None and config["broker"]["viewer_token"] is None
-    assert secret.encode() not in next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    assert (
+        secret.encode()
+        not in next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    )
     summary = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
@@ -100,5 +105,9 @@ def test_mlflow_gets_params_steps_and_summary_and_a_resume_continues(tmp_path):
     assert sorted((m.step, round(m.value, 6)) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3)]
     (experiment,) = [e for e in client.search_experiments() if e.name == "echorl"]
     assert len(client.search_runs([experiment.experiment_id])) == 1  # one run, resumed
-    summary = json.loads((tmp_path / "mlruns" / experiment.experiment_id / run_id / "artifacts" / "summary.json").read_text())
+    summary = json.loads(
+        (
+            tmp_path / "mlruns" / experiment.experiment_id / run_id / "artifacts" / "summary.json"
+        ).read_text()
+    )
     assert summary["reward/mean"] == pytest.approx(0.3)
