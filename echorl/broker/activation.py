@@ -11,17 +11,18 @@ makes waking quick), and cost nothing while parked.
 
 Hysteresis, so that measured speeds' noise moves nobody: a shortfall (the active samplers'
 speed under `needed` x (1 + margin / 2), a sampler gone or slower) wakes the cheapest parked
-at once (in async, while the trainer is busy, only a departure); parking more waits `hold_s` after the last change, and happens only when it saves
+at once (in async, while the trainer is not short, only a departure does); parking more waits `hold_s` after the last change, and happens only when it saves
 at least SAVING of the active samplers' cost per hour. Speeds are the broker's measures of
 delivered groups, and only proven samplers' count: a fresh identity's one fast group must
 not park the swarm. In async the trainer's own busy share (compute over the time between its
-steps) checks them: busy under BUSY_FLOOR, one more sampler is woken every `hold_s` / 4
-whatever the speeds say; busy over BUSY_PARK while the speeds see no surplus (they count a
+steps) checks them: busy over BUSY_PARK while the speeds see no surplus (they count a
 version's fetch in a sampler's time: with everyone active, each fetches every version for a
 few jobs and looks slower than it is), the working samplers' idle share (the time their
 leases waited and came back empty, which the broker sees for itself) sizes the surplus,
-and the dearest per token/s are parked until it is gone, every `hold_s` at most. Between
-the two, nothing moves.
+and the dearest per token/s are parked until it is gone, every `hold_s` at most; with
+none idle (the surplus goes into fetching each version for fewer jobs) PROBE_SHARE of the
+working speed is parked a step, as long as the trainer stays busy. Under BUSY_FLOOR,
+PROBE_SHARE is woken every `hold_s` / 4. Between the two, nothing moves.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from echorl.protocol import SamplerStatus
 SAVING = 0.05  # parking happens only when it cuts the active cost per hour by this share
 BUSY_FLOOR = 0.92  # an async trainer busy less than this share of its steps is short
 BUSY_PARK = 0.96  # ... busy more than this, it has samplers to spare
+PROBE_SHARE = 0.1  # of the working speed parked (or woken) a step when only busy tells
 
 
 class Activation:
@@ -67,7 +69,7 @@ class Activation:
         (async) the share of its recent steps it was busy; returns (parked now, woken)."""
         now = time.monotonic() if now is None else now
         with self.lock:
-            idle_share = None  # of the working samplers' time since the last look
+            idle_share = 0.0  # of the working samplers' time since the last look
             span = (now - self.looked) * len(self.working)
             if span > 0 and self.looked > -float("inf"):
                 idle_share = min(1.0, self.idle_s / span)
@@ -85,12 +87,17 @@ class Activation:
             by_cost = sorted(priced, key=lambda s: s.cost_per_hour / _speed(s))
             active = free + sum(_speed(s) for s in priced if s.id not in self.parked)
             idle = busy is not None and busy < BUSY_FLOOR and now - self.changed >= self.hold_s / 4
-            if idle and self.parked:  # the measures flatter: one more, whatever they say
-                s = next(s for s in by_cost if s.id in self.parked)
-                self.parked.discard(s.id)
-                self.working.add(s.id)
+            if idle and self.parked:  # too few working: PROBE_SHARE more, whatever speeds say
+                target = PROBE_SHARE * sum(_speed(s) for s in by_cost if s.id not in self.parked)
+                back, got = set(), 0.0
+                for s in by_cost:  # the cheapest per token/s first
+                    if s.id in self.parked and (not back or got < target):
+                        back.add(s.id)
+                        got += _speed(s)
+                self.parked -= back
+                self.working |= back
                 self.changed = now
-                return set(), woken | {s.id}
+                return set(), woken | back
             departed = bool(self.working - ids)
             self.working = {s.id for s in alive if s.id not in self.parked}
             # A busy async trainer outranks the speeds (they undercount), unless one left.
@@ -118,16 +125,16 @@ class Activation:
                 # more tokens a version): a trainer busy over BUSY_PARK has room to spare,
                 # so one more goes, the dearest per token/s, while it stays so.
                 working = [s for s in by_cost if s.id not in self.parked]
-                if busy is None or busy < BUSY_PARK or len(working) < 2 or idle_share is None:
+                if busy is None or busy < BUSY_PARK or len(working) < 2:
                     return set(), woken
                 # Idle a share i of their time, the working samplers make 1 / (1 - i) of
                 # what is taken: keeping (1 - i)(1 + margin) of them covers it with headroom.
                 spare = 1 - (1 - idle_share) * (1 + self.margin)
-                if spare <= 0:
-                    return set(), woken
+                if spare <= 0:  # none idle: the surplus goes into fetches; probe it
+                    spare = PROBE_SHARE
                 total, parked = sum(_speed(s) for s in working), set()
                 for s in reversed(working[1:]):  # the dearest per token/s first
-                    if _speed(s) > spare * total:
+                    if parked and _speed(s) > spare * total:
                         break
                     parked.add(s.id)
                     spare -= _speed(s) / total
