@@ -972,7 +972,7 @@ def _status_view(st) -> list:
             str(s.version_held),
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.0f}",
             f"{now - s.last_seen:.0f}",
-            s.state,
+            f"{s.state} (parked)" if s.parked else s.state,  # broker.activation = cheapest
         )
         if not busy(s):
             continue  # nothing in its account: not listed twice

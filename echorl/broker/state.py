@@ -323,8 +323,8 @@ class BrokerState:
         samplers = self.sampler_statuses(b.max_samplers)
         parked, woken = self.activation.decide(samplers, needed, busy)
         names = {s.id: s.name for s in samplers}
-        if parked or woken:
-            log.info(
+        if parked or woken:  # seen in the broker's output: who works changed
+            log.warning(
                 "activation: parked %s; woke %s (%d parked in all)",
                 ", ".join(sorted(names.get(i, i) for i in parked)) or "none",
                 ", ".join(sorted(names.get(i, i) for i in woken)) or "none",

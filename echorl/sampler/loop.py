@@ -88,7 +88,7 @@ class Sampler:
         trainer's need): no jobs until woken. It keeps the latest version meanwhile, so a
         wake costs no download (a delta or a peer's copy where the broker offers them)."""
         if not self.was_parked:
-            log.info(
+            log.warning(
                 "%s: parked by the broker (cheaper samplers cover the trainer's need); "
                 "keeping the latest version until woken",
                 self.name,
@@ -317,7 +317,7 @@ class Sampler:
                 elif reply.parked:
                     self.parked(reply)
                 if self.was_parked and not reply.parked:
-                    log.info("%s: woken by the broker: leasing again", self.name)
+                    log.warning("%s: woken by the broker: leasing again", self.name)
                 self.was_parked = reply.parked
                 outage.over()  # a whole lease -> generate -> push went through
             except BrokerUnavailable as e:  # the broker is down: back off and carry on

@@ -71,3 +71,18 @@ def test_refusals_cancellations_and_lapses_are_named_and_healthy_samplers_are_no
     assert "slowpoke (slowpoke): 12 of its jobs taken back unfinished" in said
     assert "flaky (flaky-01): let 3 leases lapse" in said
     assert holding(st, now=100.0) == ["flaky (4 jobs, heard 10 s ago)"]
+
+
+def test_status_marks_a_parked_sampler():
+    """broker.activation = cheapest: `echorl status` shows who is parked, not just alive."""
+    from rich.console import Console
+
+    from echorl.cli import _status_view
+
+    st = status("async", sampler("cheap", cost_per_hour=0.3), sampler("dear", parked=True))
+    console = Console(width=200, record=True)
+    for part in _status_view(st):
+        console.print(part)
+    text = console.export_text()
+    rows = {line.split()[3]: line for line in text.splitlines() if "-0123456789" in line}
+    assert "alive (parked)" in rows["dear"] and "parked" not in rows["cheap"]
