@@ -2,27 +2,28 @@
 covers what the trainer takes is handed jobs; the rest are parked.
 
 The trainer takes `needed` tokens/s (a step's completion tokens over its compute time,
-`capacity.Pace`). The broker keeps active the samplers that cannot be priced against each
-other (no `cost_per_hour`, not yet proven, speed not yet measured: a newcomer must work to be
-measured) and, of the proven priced ones, the cheapest per token/s until the active speed
-covers `needed` x (1 + margin). The others are parked: they stay registered and heartbeat,
-their leases come back empty with `parked` set (they may keep the latest version, which
-makes waking quick), and cost nothing while parked.
+`capacity.Pace`). Samplers that cannot be priced against the others (no `cost_per_hour`,
+not yet proven, not yet measured: a newcomer must work to be measured) are never parked.
+Of the proven priced ones the broker keeps the cheapest per token/s whose speeds cover
+`needed` x (1 + margin) and parks the rest: they stay registered and heartbeat, their
+leases come back empty with `parked` set (they keep the latest version meanwhile, so a
+wake costs no download), and cost nothing while parked.
 
-Hysteresis, so that measured speeds' noise moves nobody: a shortfall (the active samplers'
-speed under `needed` x (1 + margin / 2), a sampler gone or slower) wakes the cheapest parked
-at once (in async, while the trainer is not short, only a departure does); parking more waits `hold_s` after the last change, and happens only when it saves
-at least SAVING of the active samplers' cost per hour. Speeds are the broker's measures of
-delivered groups, and only proven samplers' count: a fresh identity's one fast group must
-not park the swarm. In async the trainer's own busy share (compute over the time between its
-steps) checks them: busy over BUSY_PARK while the speeds see no surplus (they count a
-version's fetch in a sampler's time: with everyone active, each fetches every version for a
-few jobs and looks slower than it is), the working samplers' idle share (the time their
-leases waited and came back empty, which the broker sees for itself) sizes the surplus,
-and the dearest per token/s are parked until it is gone, every `hold_s` at most; with
-none idle (the surplus goes into fetching each version for fewer jobs) PROBE_SHARE of the
-working speed is parked a step, as long as the trainer stays busy. Under BUSY_FLOOR,
-PROBE_SHARE is woken every `hold_s` / 4. Between the two, nothing moves.
+Speeds are the broker's own measures of delivered groups, and only proven samplers' count
+(a fresh identity's one fast group must not park the swarm). They count a version's fetch
+in a sampler's time, so with everyone active (each fetching every version for a few jobs)
+they undercount the surplus. In async the trainer's busy share (compute over the time
+between its steps) is the check:
+
+- busy over BUSY_PARK with no surplus in the speeds: the dearest per token/s are parked,
+  as many as the working samplers' idle share (time in leases that came back empty, which
+  the broker sees itself) says are spare, else PROBE_SHARE of the working speed;
+- busy under BUSY_FLOOR: PROBE_SHARE of it is woken, the cheapest first;
+- in between, nothing moves.
+
+Hysteresis: a shortfall by the speeds (in sync; in async once a sampler is gone or the
+trainer is short) wakes the cheapest parked at once; parking waits `hold_s` after the last
+change and, by the speeds, needs a SAVING of the active cost.
 """
 
 from __future__ import annotations
