@@ -293,8 +293,7 @@ class EmuSampler:
         self.fetch_s: float | None = None
         self.alive = True
         self.joined, self.gone = swarm.net.now(), None  # emulated s
-        self.parked_since: float | None = None
-        self.parked_s, self.parks = 0.0, 0
+        self.parked: list[list] = []  # [from, until (None: still)], emulated s
         self.pushed = self.leased = self.empty = 0  # groups pushed, jobs leased, empty leases
         self.spent = {"lease": 0.0, "fetch": 0.0, "generate": 0.0, "push": 0.0}  # emulated s
         self.beat_s = 2.0
@@ -543,21 +542,24 @@ class EmuSampler:
     def park(self, parked: bool) -> None:
         """The broker parked (or woke) this sampler: parked time costs nothing."""
         now = self.swarm.net.now()
-        if parked and self.parked_since is None:
-            self.parked_since = now
-            self.parks += 1
-        elif not parked and self.parked_since is not None:
-            self.parked_s += now - self.parked_since
-            self.parked_since = None
+        if parked and not (self.parked and self.parked[-1][1] is None):
+            self.parked.append([now, None])
+        elif not parked and self.parked and self.parked[-1][1] is None:
+            self.parked[-1][1] = now
+
+    def parked_s(self, start: float, end: float) -> float:
+        """Emulated seconds of [start, end] it was parked."""
+        return sum(_overlap(a, end if b is None else b, start, end) for a, b in self.parked)
+
+    def active_s(self, start: float, end: float) -> float:
+        """Emulated seconds of [start, end] it was registered and not parked."""
+        gone = end if self.gone is None else self.gone
+        return _overlap(self.joined, gone, start, end) - self.parked_s(start, end)
 
     def cost(self, start: float, end: float) -> float:
         """What it cost from `start` to `end` (emulated s): its price for the time it was
         registered and not parked."""
-        if not self.price:
-            return 0.0
-        parked = self.parked_s + (end - self.parked_since if self.parked_since is not None else 0)
-        begin, stop = max(start, self.joined), min(end, self.gone or end)
-        return self.price * max(0.0, stop - begin - parked) / 3600
+        return (self.price or 0.0) * self.active_s(start, end) / 3600
 
     def crash(self) -> None:
         self.alive, self.gone = False, self.swarm.net.now()
@@ -717,6 +719,10 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def _overlap(a: float, b: float, start: float, end: float) -> float:
+    return max(0.0, min(b, end) - max(a, start))
+
+
 def p99(xs: list[float]) -> float | None:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else None)
 
@@ -839,16 +845,9 @@ def summarise(
         / max(1, len(steps) - len(steps) // 2 - 1)
         if len(steps) > 2
         else None,
-        "active_samplers_mean": sum(
-            max(
-                0.0, min(trainer.t0 + span, s.gone or trainer.t0 + span) - max(trainer.t0, s.joined)
-            )
-            - s.parked_s
-            - (trainer.t0 + span - s.parked_since if s.parked_since is not None else 0.0)
-            for s in sw.samplers
-        )
+        "active_samplers_mean": sum(s.active_s(trainer.t0, trainer.t0 + span) for s in sw.samplers)
         / max(span, 1e-9),
-        "parks": sum(s.parks for s in sw.samplers),
+        "parks": sum(len(s.parked) for s in sw.samplers),
         "machines": [
             {
                 "k": s.k,
@@ -857,8 +856,7 @@ def summarise(
                 "tokens_per_s": s.tokens_per_s,
                 "price": s.price,
                 "hostile": s.hostile,
-                "parked_s": s.parked_s
-                + (trainer.t0 + span - s.parked_since if s.parked_since is not None else 0.0),
+                "parked_s": s.parked_s(trainer.t0, trainer.t0 + span),
             }
             for s in sw.samplers
         ],  # fmt: skip
