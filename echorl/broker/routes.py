@@ -264,7 +264,7 @@ async def lease(
 
     t0 = time.monotonic()
     jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)
-    if not jobs:
+    if not jobs and st.activation.enabled:  # idle time only counts where it is used
         st.activation.waited(body.sampler_id, time.monotonic() - t0)
     # Read after the lease: at least the version its admission budget was computed with.
     version = st.store.latest_version()
