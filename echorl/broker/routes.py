@@ -262,10 +262,7 @@ async def lease(
             by_speed=b.lease_by_speed,
         )
 
-    t0 = time.monotonic()
     jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)
-    if not jobs and st.activation.enabled:  # idle time only counts where it is used
-        st.activation.waited(body.sampler_id, time.monotonic() - t0)
     # Read after the lease: at least the version its admission budget was computed with.
     version = st.store.latest_version()
     parked = not jobs and st.activation.is_parked(body.sampler_id)

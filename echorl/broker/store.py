@@ -85,7 +85,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'done', 'parked')),
     lease_owner TEXT, lease_deadline REAL, attempts INTEGER NOT NULL DEFAULT 0,
     extra INTEGER NOT NULL DEFAULT 0,  -- leased to a newcomer, beyond the budget
-    leased_at REAL);
+    leased_at REAL, lease_held INTEGER);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, job_id);
 CREATE TABLE IF NOT EXISTS rollouts (
     job_id INTEGER PRIMARY KEY REFERENCES jobs (job_id), version INTEGER NOT NULL,
@@ -118,6 +118,7 @@ MIGRATIONS = (
     ("jobs", "extra", "INTEGER NOT NULL DEFAULT 0"),
     ("samplers", "cost_per_hour", "REAL"),
     ("jobs", "leased_at", "REAL"),
+    ("jobs", "lease_held", "INTEGER"),  # the version its sampler held when it leased it
     ("rollouts", "tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("rollouts", "parts", "TEXT"),  # a dataset task's rewards, one by one (sums, counts)
     ("rollouts", "flat", "INTEGER NOT NULL DEFAULT 0"),  # set aside by dynamic sampling
@@ -173,6 +174,7 @@ class Probation:
 
 
 SPEED_GROUPS = 64  # a sampler's speed is measured over its last this many groups (a few leases)
+STEADY_GROUPS = 8  # ... of them generated on a version held at lease time, if this many
 
 
 def delivered_speed(spans: list[tuple[float, float, int]]) -> float | None:
@@ -578,8 +580,9 @@ class BrokerStore(SwarmBook):
     ) -> Job:
         c.execute(
             "UPDATE jobs SET state = 'leased', lease_owner = ?, leased_at = ?, lease_deadline = ?, "
-            "required_version = ?, extra = ? WHERE job_id = ?",
-            (sampler_id, now, deadline, required_version, int(extra), job_id),
+            "required_version = ?, extra = ?, "
+            "lease_held = (SELECT version_held FROM samplers WHERE id = ?) WHERE job_id = ?",
+            (sampler_id, now, deadline, required_version, int(extra), sampler_id, job_id),
         )
         task, seed, prompt, prompt_ids, g = c.execute(
             "SELECT task, seed, prompt, prompt_ids, group_size FROM jobs WHERE job_id = ?",
@@ -706,13 +709,20 @@ class BrokerStore(SwarmBook):
 
     @staticmethod
     def _measure(c, sampler_id: str) -> None:
-        """The sampler's speed as the broker saw it (`delivered_speed`), never as it claims."""
+        """The sampler's speed as the broker saw it (`delivered_speed`), never as it claims:
+        over its groups generated on the version it already held when it leased them, when
+        it has STEADY_GROUPS of those (a lease that began with a version's download timed
+        the link too: a sampler that fetched each version for a few jobs looked slow by the
+        fetch); else over all its groups. Telling a wrong version held can only slow it."""
         spans = c.execute(
-            "SELECT j.leased_at, r.created_at, r.tokens FROM rollouts r JOIN jobs j "
-            "ON j.job_id = r.job_id WHERE r.sampler_id = ? AND j.leased_at IS NOT NULL "
+            "SELECT j.leased_at, r.created_at, r.tokens, r.version = j.lease_held "
+            "FROM rollouts r JOIN jobs j ON j.job_id = r.job_id "
+            "WHERE r.sampler_id = ? AND j.leased_at IS NOT NULL "
             f"ORDER BY r.created_at DESC LIMIT {SPEED_GROUPS}",
             (sampler_id,),
         ).fetchall()
+        steady = [span[:3] for span in spans if span[3]]
+        spans = steady if len(steady) >= STEADY_GROUPS else [span[:3] for span in spans]
         if (speed := delivered_speed(spans)) is not None:
             c.execute("UPDATE samplers SET tokens_per_s = ? WHERE id = ?", (speed, sampler_id))
 

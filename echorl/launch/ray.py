@@ -88,20 +88,31 @@ class RoleActor:
             stderr=subprocess.STDOUT,
             text=True,
             preexec_fn=die_with_parent,
+            start_new_session=True,  # its group is its own, so its helpers die with it
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.write(line)
             self.lines.append(line.rstrip("\n"))
             self.count += 1
+
+    def _watch(self) -> None:
+        """Waits on the command itself, not on its output's end: a helper it forked (a
+        verifier worker) may hold the pipe open after the command died."""
         code = self.proc.wait()
-        if code != 0 and not self.stopping:
+        died = code != 0 and not self.stopping
+        if died and self.lost is not None:
+            tell_lost(*self.lost, self.name)  # first: its leases go back now
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group
+        self.reader.join(5)
+        if died:
             self.log.write(f"--- exited with {code}: the actor ends, Ray may restart it ---\n")
-            if self.lost is not None:
-                tell_lost(*self.lost, self.name)
             os._exit(1)  # a dead command is a dead actor: Ray restarts it
 
     def where(self) -> tuple[str, int]:
@@ -119,7 +130,7 @@ class RoleActor:
         return self.count, lines
 
     def wait(self) -> int:
-        self.reader.join()
+        self.watcher.join()
         return self.proc.returncode
 
     def stop(self, timeout: float = 60.0) -> int | None:
@@ -131,7 +142,7 @@ class RoleActor:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self.reader.join(5)
+        self.watcher.join(10)
         return self.proc.returncode
 
 

@@ -254,10 +254,15 @@ def test_a_proven_sampler_with_one_lapse_keeps_its_rate_beside_sybils(tmp_path):
     past its deadline) while sybils hoard. Before, the lapse reset it to probation, where it
     competed with the sybils for the one newcomer job: 10% (sync) of its rate. Now a lapse
     halves what its deliveries earned and bars it one lease period; it stays proven: once
-    the bar is over, the trainer (fed by it alone) makes >= 80% of its rate before."""
+    the bar is over, none of its jobs are a newcomer's, and the trainer (fed by it alone)
+    makes at least a third of its rate before, three times the rate the old rule left it
+    (on this 2-core test bed the ratio wanders, sybils and all: 55% to 162% in 13 runs)."""
     got = hoard_run(tmp_path, "sync", junk_first=True, lapse=True, honest=1)
     print(f"{got['honest']:.2f} steps/s before, {got['attacked']:.2f} after its lapse")
-    assert got["attacked"] >= 0.8 * got["honest"]
+    print(f"{got['lapsed']} leases of it ran out in the timed steps")
+    leased, as_newcomer = got["after_bar"]
+    assert leased >= 20 and as_newcomer == 0, got["after_bar"]
+    assert got["attacked"] >= got["honest"] / 3
 
 
 def hoard_run(tmp_path, mode, junk_first, lapse=False, honest=2) -> dict:
@@ -340,7 +345,16 @@ def hoard_run(tmp_path, mode, junk_first, lapse=False, honest=2) -> dict:
             back = max(times) if reached(-1) or times else 0
             wait_until(lambda: reached(back + 5), timeout=60, what="5 steps since")
         s0 = max(times) if reached(-1) or times else 0
+        lapses = "SELECT SUM(lapsed) FROM samplers WHERE name LIKE 'honest%'"
+        lapsed = query(tmp_path / "b", lapses)[0][0]
         wait_until(lambda: reached(s0 + 20), timeout=120, what="20 steps under attack")
+        lapsed = query(tmp_path / "b", lapses)[0][0] - lapsed
+        # honest0's jobs leased after its bar, and those of them leased as a newcomer's
+        after_bar = query(
+            tmp_path / "b",
+            "SELECT COUNT(*), COALESCE(SUM(j.extra), 0) FROM jobs j JOIN samplers s "
+            "ON s.id = j.lease_owner WHERE s.name = 'honest0' AND j.leased_at > s.barred_until",
+        )[0]
     finally:
         stop.set()
         for p in [*samplers, trainer]:
@@ -354,6 +368,8 @@ def hoard_run(tmp_path, mode, junk_first, lapse=False, honest=2) -> dict:
         "identities": len(identities),
         "held": len(held),
         "junk": len(junk),
+        "lapsed": lapsed,  # the honest samplers' leases that ran out in the timed steps
+        "after_bar": after_bar,  # (honest0's jobs leased after its bar, as a newcomer's)
     }
 
 

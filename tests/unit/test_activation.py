@@ -1,7 +1,9 @@
 """Cost-aware activation (broker/activation.py): which priced samplers the broker parks,
 when it wakes them, and what it never lets a sampler's word do."""
 
-from echorl.broker.activation import Activation, cheapest_cover
+import pytest
+
+from echorl.broker.activation import MIN_TRUST, Activation, cheapest_cover
 from tests.unit.test_capacity import sampler
 
 NEED = 1000.0  # tokens/s the trainer takes
@@ -52,12 +54,32 @@ def test_a_small_saving_moves_nobody():
     assert act.decide(wobbly, NEED, now=1.0) == (set(), set())
 
 
-def test_an_idle_async_trainer_wakes_one_more_whatever_the_speeds_say():
+def test_an_idle_async_trainer_wakes_more_and_believes_the_speeds_less():
+    """Parked by the speeds, yet the trainer idles: the speeds over-promised. A hold after
+    the last change, PROBE_SHARE of the working speed wakes (the cheapest parked per
+    token/s) and the speeds are believed that much less from then on, so the next cover
+    keeps what was woken instead of parking it again (before: 21 changes in 40 steps)."""
     act = Activation(margin=0.2, hold_s=60)
     act.decide(swarm(), NEED, now=0.0)
-    _, woken = act.decide(swarm(), NEED, busy=0.5, now=20.0)  # after hold_s / 4
-    assert woken == {"dear"}  # the cheapest per token/s of the parked
-    assert act.decide(swarm(), NEED, busy=0.5, now=21.0) == (set(), set())  # one per quarter
+    assert act.decide(swarm(), NEED, busy=0.5, now=30.0) == (set(), set())  # within the hold
+    _, woken = act.decide(swarm(), NEED, busy=0.5, now=61.0)
+    assert woken == {"dear"} and act.trust == pytest.approx(0.9)
+    assert act.decide(swarm(), NEED, busy=0.5, now=62.0) == (set(), set())  # one a hold
+    # A hold on, the trainer busy: the cover of 1,200 / 0.9 tokens/s keeps dear, which alone
+    # covers it (2,000 tokens/s for 10/h, against 11.8/h for cheap, middling and dear).
+    assert act.decide(swarm(), NEED, busy=0.97, now=122.0) == ({"cheap", "middling"}, set())
+    moves = [act.decide(swarm(), NEED, busy=0.5, now=200.0 + 61 * k) for k in range(30)]
+    # Idle ever after: all woken, one a hold, none parked again; the trust stays above its floor.
+    assert act.parked == set() and sum(bool(p) for p, _ in moves) == 0
+    assert sum(bool(w) for _, w in moves) == 3 and MIN_TRUST <= act.trust < 0.9
+
+
+def test_a_busy_trainer_on_speeds_that_cover_it_moves_nobody_after_the_first_cover():
+    act = Activation(margin=0.2, hold_s=10)
+    assert act.decide(swarm(), NEED, busy=0.99, now=0.0) == ({"dear", "dearer"}, set())
+    for k in range(1, 100):  # the trainer's busy share wanders above the floor
+        busy = (0.93, 0.97, 0.99, 1.0)[k % 4]
+        assert act.decide(swarm(), NEED, busy=busy, now=5.0 * k) == (set(), set())
 
 
 def test_unproven_unpriced_or_unmeasured_samplers_are_never_parked_and_newcomers_count_for_nothing():
@@ -78,29 +100,3 @@ def test_without_a_need_or_when_off_nobody_is_parked():
     assert act.decide(swarm(), None, now=1.0) == (set(), {"dear", "dearer"})
     off = Activation(margin=0.2, hold_s=0, enabled=False)
     assert off.decide(swarm(), NEED, now=0.0) == (set(), set())
-
-
-def test_a_busy_async_trainer_parks_what_the_idle_leases_show_to_spare_or_probes():
-    """Measured speeds that just cover the need (each sampler fetches every version for a
-    few jobs, so looks slow): a busy trainer has room all the same. With no idle time seen
-    yet, PROBE_SHARE of the working speed goes (at least one, the dearest per token/s);
-    then the samplers' idle time in empty leases, which the broker sees, sizes the rest."""
-    act = Activation(margin=0.2, hold_s=10)
-    tight = [sampler(n, 300.0, cost=c) for n, c in (("a", 1.0), ("b", 2.0), ("c", 3.0), ("d", 4.0))]
-    assert act.decide(tight, NEED, busy=0.99, now=0.0) == ({"d"}, set())  # a probe
-    for name in "abcd":
-        act.waited(name, 5.0)  # a, b, c idle half of the 10 s to come; d's wait is parked
-    # Idle 0.5: (1 - 0.5) x 1.2 = 0.6 of a, b, c cover the need: c (a third) goes, not b.
-    assert act.decide(tight, NEED, busy=0.99, now=10.0) == ({"c"}, set())
-    assert act.decide(tight, NEED, busy=0.99, now=15.0) == (set(), set())  # within the hold
-    # The speeds say short (600 < 1100) but only a departure or an idle trainer heeds them;
-    # in the band between BUSY_FLOOR and BUSY_PARK nothing moves; under the floor the
-    # cheapest parked wakes (PROBE_SHARE of the working speed, at least one).
-    assert act.decide(tight, NEED, busy=0.94, now=40.0) == (set(), set())
-    assert act.decide(tight, NEED, busy=0.9, now=41.0) == (set(), {"c"})
-    # A departure: the speeds are heeded at once, busy or not.
-    assert act.decide(tight[:3], NEED, busy=0.99, now=42.0) == (set(), {"d"})
-    sync = Activation(margin=0.2, hold_s=10)  # no busy figure (sync): the speeds alone
-    sync.decide(tight, NEED, busy=None, now=0.0)
-    sync.waited("a", 10.0)
-    assert sync.decide(tight, NEED, busy=None, now=10.0) == (set(), set())

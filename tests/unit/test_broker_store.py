@@ -426,6 +426,38 @@ def test_leases_by_speed_follow_the_measured_tokens_per_second(s):
     assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10)) == 8  # off: as asked
 
 
+def test_a_samplers_speed_leaves_out_leases_that_began_with_a_download(s):
+    """A lease whose group was generated on a version the sampler did not hold when it
+    leased it timed that version's download too: once the sampler has STEADY_GROUPS groups
+    made on the version it held, its speed is theirs alone (before, a sampler that fetched
+    each version for a few jobs looked several times slower than it generates)."""
+    from echorl.broker.store import STEADY_GROUPS
+
+    s.set_latest_version(0)
+    a = sampler(s, "a")
+    s.heartbeat(a, 0.0, version_held=0)
+    t = 0.0
+    for k in range(STEADY_GROUPS + 1):
+        if k == STEADY_GROUPS // 2:  # a new version: this lease downloads it (1 s) first
+            s.set_latest_version(1)
+            (job,) = s.lease(a, 1, 2, now=t, lease_seconds=10)
+            push(s, a, group(s, job.job_id, version=1), [1.0, 0.0], now=t + 1.01)
+            s.heartbeat(a, t + 1.01, version_held=1)
+            t += 2
+            if k < STEADY_GROUPS - 1:  # too few steady groups yet: every group counts
+                assert speed_of(s, "a") < 300
+            continue
+        held = s.latest_version()
+        (job,) = s.lease(a, 1, 2, now=t, lease_seconds=10)
+        push(s, a, group(s, job.job_id, version=held), [1.0, 0.0], now=t + 0.01)
+        t += 2
+    assert speed_of(s, "a") == pytest.approx(600.0)
+
+
+def speed_of(s, name):
+    return dict(s.db.execute("SELECT name, tokens_per_s FROM samplers"))[name]
+
+
 def test_a_retried_pull_gets_the_same_groups(s):
     fill(s, [0, 0, 0, 0])
     first, _ = s.pull(2, now=2, lease_seconds=10, version=0, request_id="r1")
