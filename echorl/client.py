@@ -456,11 +456,17 @@ class BrokerClient:
         return self._post("/v1/trainer/audit", report, AuditReply).quarantined
 
     def ack(
-        self, job_ids: list[int], step: int, train_s: float | None = None, tokens: int | None = None
+        self,
+        job_ids: list[int],
+        step: int,
+        train_s: float | None = None,
+        tokens: int | None = None,
+        idle_s: float | None = None,
     ) -> int:
-        """The step's groups are consumed; `train_s` and `tokens`, its compute seconds and
-        completion tokens, feed the broker's capacity figures."""
-        body = AckRequest(job_ids=job_ids, step=step, train_s=train_s, tokens=tokens)
+        """The step's groups are consumed; `train_s`, `tokens` and `idle_s`, its compute
+        seconds, completion tokens and seconds blocked on its groups, feed the broker's
+        capacity figures (and cost-aware activation)."""
+        body = AckRequest(job_ids=job_ids, step=step, train_s=train_s, tokens=tokens, idle_s=idle_s)
         return self._post("/v1/batches/ack", body, AckReply).consumed
 
     # -- auditor role (the trainer's token) -----------------------------------------------------

@@ -704,6 +704,9 @@ class AckRequest(_Wire):
     tokens: int | None = Field(
         None, ge=0, le=1 << 40, description="completion tokens the step trained on"
     )
+    idle_s: float | None = Field(
+        None, ge=0.0, le=1e6, description="seconds the step waited for its groups (blocked)"
+    )
 
 
 class GroupAudit(_Wire):

@@ -16,8 +16,8 @@ group must not park the swarm).
 
 Hysteresis: a shortfall by the speeds (a sampler left, or measures slower) wakes the
 cheapest parked at once; parking waits `hold_s` after the last change and needs a SAVING
-of the active cost. An async trainer busy under BUSY_FLOOR of its steps while samplers are
-parked is the check on the speeds: they promised more than the trainer got, so they are
+of the active cost. An async trainer fed under BUSY_FLOOR of its steps (blocked on groups
+the rest, as its acks tell) while samplers are parked is the check on the speeds: they promised more than the trainer got, so they are
 believed a PROBE_SHARE less (`trust`: the cover grows, and stays grown) and that share of
 the working speed is woken, at most once a hold.
 """
@@ -31,7 +31,7 @@ from echorl.broker.capacity import TRUSTED
 from echorl.protocol import SamplerStatus
 
 SAVING = 0.05  # parking happens only when it cuts the active cost per hour by this share
-BUSY_FLOOR = 0.92  # an async trainer busy less than this share of its steps is short
+BUSY_FLOOR = 0.92  # an async trainer blocked on groups more than the rest of its steps is short
 PROBE_SHARE = 0.1  # of the working speed woken, and of trust lost, when the trainer is short
 MIN_TRUST = 0.5  # the speeds are never believed less than this share
 
@@ -42,6 +42,7 @@ class Activation:
         self.parked: set[str] = set()
         self.trust = 1.0  # the share of the measured speeds believed (an idle trainer lowers it)
         self.changed = -float("inf")  # monotonic time of the last change
+        self.reason = ""  # why the last change was made, for the broker's log
         self.lock = threading.Lock()
 
     def is_parked(self, sampler_id: str) -> bool:
@@ -55,7 +56,8 @@ class Activation:
         now: float | None = None,
     ) -> tuple[set[str], set[str]]:
         """Park or wake from the samplers as they are, the trainer's `needed` tokens/s and
-        (async) the share of its recent steps it was busy; returns (parked now, woken)."""
+        (async) the share of its recent steps it was not blocked on groups (`busy`); returns
+        (parked now, woken)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             alive = [s for s in samplers if s.state == "alive"]
@@ -74,10 +76,14 @@ class Activation:
             held = now - self.changed >= self.hold_s  # the last change has had its hold
             if self.trust * active < needed * (1 + self.margin / 2):  # short: wake at once
                 back = self._wake(by_cost, want / self.trust - active)
+                self.reason = f"short: {active:.0f} tokens/s active, {needed:.0f} needed"
             elif busy is not None and busy < BUSY_FLOOR and self.parked and held:
                 # The speeds over-promise: believe them less, and wake that share.
                 self.trust = max(MIN_TRUST, self.trust * (1 - PROBE_SHARE))
                 back = self._wake(by_cost, PROBE_SHARE * active)
+                self.reason = (
+                    f"the trainer fed {busy:.0%} of its steps: speeds believed {self.trust:.0%}"
+                )
             else:
                 back = set()
             if back:
@@ -91,6 +97,10 @@ class Activation:
                 return set(), woken
             new = {s.id for s in priced} - {s.id for s in keep}
             parked, woke = new - self.parked, self.parked - new
+            self.reason = (
+                f"{sum(_speed(s) for s in keep) + free:.0f} tokens/s cover {needed:.0f} "
+                f"x {1 + self.margin:g} / {self.trust:.2f} for {sum(s.cost_per_hour for s in keep):.2f}/h"
+            )
             self.parked, self.changed = new, now
             return parked, woken | woke
 

@@ -41,15 +41,18 @@ class Pace:
         self.train_s: float | None = None
         self.step_tokens: float | None = None
         self.step_s: float | None = None  # wall time between acks
+        self.idle_s: float | None = None  # of it, the trainer blocked on its groups
         self.last_ack: float | None = None
         self.fetch_s: dict[int, dict[str, float]] = {}  # version -> sampler -> fetch and load
         # Each sampler's own recent fetches (any sampler's: only its own account shows them).
         self.own: OrderedDict[str, deque[float]] = OrderedDict()
         self.lock = threading.Lock()
 
-    def step(self, train_s: float, tokens: int, now: float) -> None:
+    def step(self, train_s: float, tokens: int, now: float, idle_s: float | None = None) -> None:
         with self.lock:
             self.train_s = _ema(self.train_s, train_s)
+            if idle_s is not None and self.last_ack is not None:  # the first waited for the start
+                self.idle_s = _ema(self.idle_s, idle_s)
             self.step_tokens = _ema(self.step_tokens, tokens)
             if self.last_ack is not None:
                 self.step_s = _ema(self.step_s, now - self.last_ack)

@@ -392,7 +392,7 @@ async def ack(body: AckRequest, st: BrokerState = State) -> AckReply:
             st.metrics.consumed.labels(operator).inc()
         st.board.stepped(body.step, origins)
     if consumed and body.train_s is not None and body.tokens is not None:
-        st.pace.step(body.train_s, body.tokens, time.time())
+        st.pace.step(body.train_s, body.tokens, time.time(), body.idle_s)
     if consumed:
         st.audits_bell.ring()
     return AckReply(consumed=consumed)

@@ -317,18 +317,21 @@ class BrokerState:
         if b.activation != "cheapest":
             return
         needed = pace.step_tokens / pace.train_s if pace.train_s and pace.step_tokens else None
-        busy = None
-        if b.mode == "async" and pace.step_s and pace.train_s:
+        busy = None  # the share of its steps the trainer was not blocked on groups
+        if b.mode == "async" and pace.step_s and pace.idle_s is not None:
+            busy = max(0.0, 1.0 - pace.idle_s / pace.step_s)
+        elif b.mode == "async" and pace.step_s and pace.train_s:  # a trainer that tells no idle_s
             busy = min(1.0, pace.train_s / pace.step_s)
         samplers = self.sampler_statuses(b.max_samplers)
         parked, woken = self.activation.decide(samplers, needed, busy)
         names = {s.id: s.name for s in samplers}
         if parked or woken:  # seen in the broker's output: who works changed
             log.warning(
-                "activation: parked %s; woke %s (%d parked in all)",
+                "activation: parked %s; woke %s (%d parked in all; %s)",
                 ", ".join(sorted(names.get(i, i) for i in parked)) or "none",
                 ", ".join(sorted(names.get(i, i) for i in woken)) or "none",
                 len(self.activation.parked),
+                self.activation.reason or "gone",
             )
         if woken:
             self.jobs_bell.ring()

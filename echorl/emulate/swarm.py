@@ -647,6 +647,7 @@ class EmuTrainer:
                 self.consumed[g["job_id"]] = self.consumed.get(g["job_id"], 0) + 1
                 self.staleness.append(step - g["version"])
             ack = {"job_ids": ids, "step": step, "train_s": compute / sc.speedup, "tokens": tokens}
+            ack["idle_s"] = waited / sc.speedup
             (await sw.call("POST", "/v1/batches/ack", TRAINER, "ack", json=ack)).raise_for_status()
             audits = [
                 {

@@ -165,8 +165,10 @@ class BrokerIO:
             return None
         return self.batches.pop(step)
 
-    def ack(self, job_ids: list[int], step: int, train_s: float, tokens: int) -> None:
-        self._send(("ack", job_ids, step, train_s, tokens))
+    def ack(
+        self, job_ids: list[int], step: int, train_s: float, tokens: int, idle_s: float
+    ) -> None:
+        self._send(("ack", job_ids, step, train_s, tokens, idle_s))
 
     def audit(self, report: AuditReport) -> None:
         self._send(("audit", report))
@@ -337,8 +339,8 @@ def serve(conn, settings: dict, cpus, stopping) -> None:
         except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
             reply("error", "RuntimeError", None, f"{type(e).__name__}: {e}")
 
-    def ack(client: BrokerClient, job_ids: list[int], step: int, train_s: float, tokens: int):
-        client.ack(job_ids, step, train_s, tokens)
+    def ack(client: BrokerClient, job_ids: list[int], step: int, *numbers: float) -> None:
+        client.ack(job_ids, step, *numbers)  # train_s, tokens, idle_s
 
     def audit(client: BrokerClient, report: AuditReport) -> None:
         reply("audited", client.audit(report))

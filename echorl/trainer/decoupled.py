@@ -298,7 +298,7 @@ class DecoupledTrainer:
                     f"samplers {sorted({g.sampler or '?' for g in groups})}"
                 )
             tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-            self.io.ack(ids, step, train_s, tokens)
+            self.io.ack(ids, step, train_s, tokens, wait.get("trainer/idle_s", 0.0))
         self.publish(step + 1)
         if self.past is not None:
             self.past.record(self.model, step + 1)

@@ -75,3 +75,24 @@ def test_a_liars_claims_and_repeated_reports_move_no_figure():
         pace.fetched(0, 1e6, "c")  # the same sampler again and again
         pace.fetched(1, 1e6, "c")
     assert pace.dissemination_s() == pytest.approx(1.0)  # (0.5 + 1.5) / 2, as before
+
+
+def test_the_trainer_s_blocked_time_is_kept_beside_its_step_time():
+    """What activation reads as an async trainer short of groups: the seconds each step
+    blocked on them (`AckRequest.idle_s`), not compute over step time (the trainer's own
+    bookkeeping made a fed trainer look 8% short)."""
+    import pydantic
+    import pytest
+
+    from echorl.protocol import AckRequest
+
+    pace = Pace()
+    # The first step's wait is the swarm's start (before, it weighed on the figure for
+    # steps and woke every sampler activation had parked).
+    for k, idle in enumerate((50.0, 0.0, 4.0, 4.0)):
+        pace.step(5.0, 1000, now=10.0 * k, idle_s=idle)
+    assert pace.step_s == 10.0 and pace.idle_s == pytest.approx(0.2 * 4.0 + 0.2 * 0.8 * 4.0)
+    pace.step(5.0, 1000, now=40.0)  # a trainer that tells none leaves the figure as it was
+    assert pace.idle_s == pytest.approx(1.44)
+    with pytest.raises(pydantic.ValidationError, match="idle_s"):
+        AckRequest(job_ids=[1], step=0, idle_s=-1.0)
