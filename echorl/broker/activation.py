@@ -11,8 +11,9 @@ wake costs no download), and cost nothing while parked.
 
 Speeds are the broker's own measures of delivered groups, over the leases a sampler began
 holding the version it generated with (`BrokerStore._measure`: a lease that began with a
-download timed the link too), and only proven samplers' count (a fresh identity's one fast
-group must not park the swarm).
+download timed the link too), less the share of the time between versions its fetches
+take (`working`); only proven samplers' count (a fresh identity's one fast group must not
+park the swarm).
 
 Hysteresis: a shortfall by the speeds (a sampler left, or measures slower) wakes the
 cheapest parked at once; parking waits `hold_s` after the last change and needs a SAVING
@@ -34,6 +35,7 @@ SAVING = 0.05  # parking happens only when it cuts the active cost per hour by t
 BUSY_FLOOR = 0.92  # an async trainer blocked on groups more than the rest of its steps is short
 PROBE_SHARE = 0.1  # of the working speed woken, and of trust lost, when the trainer is short
 MIN_TRUST = 0.5  # the speeds are never believed less than this share
+FETCH_FLOOR = 0.1  # a sampler fetching all the time between versions still counts this share
 
 
 class Activation:
@@ -54,13 +56,14 @@ class Activation:
         needed: float | None,
         busy: float | None = None,
         now: float | None = None,
+        interval: float | None = None,
     ) -> tuple[set[str], set[str]]:
-        """Park or wake from the samplers as they are, the trainer's `needed` tokens/s and
-        (async) the share of its recent steps it was not blocked on groups (`busy`); returns
-        (parked now, woken)."""
+        """Park or wake from the samplers as they are, the trainer's `needed` tokens/s,
+        (async) the share of its recent steps it was not blocked on groups (`busy`) and the
+        seconds between its versions (`interval`); returns (parked now, woken)."""
         now = time.monotonic() if now is None else now
         with self.lock:
-            alive = [s for s in samplers if s.state == "alive"]
+            alive = [working(s, interval) for s in samplers if s.state == "alive"]
             ids = {s.id for s in alive}
             woken = self.parked - ids  # gone: nothing to park
             self.parked &= ids
@@ -115,6 +118,16 @@ class Activation:
                 got += _speed(s)
         self.parked -= back
         return back
+
+
+def working(s: SamplerStatus, interval: float | None) -> SamplerStatus:
+    """`s` with the speed it makes between versions: its measured speed is over leases that
+    began with the version at hand, and each version costs it its `fetch_s` (its word: a
+    liar's shortfall shows in the trainer's fed share), of `interval` seconds."""
+    if not interval or not s.fetch_s or not s.tokens_per_s:
+        return s
+    share = max(FETCH_FLOOR, 1.0 - s.fetch_s / interval)
+    return s.model_copy(update={"tokens_per_s": s.tokens_per_s * share})
 
 
 def cheapest_cover(by_cost: list[SamplerStatus], rate: float) -> list[SamplerStatus]:

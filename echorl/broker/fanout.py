@@ -19,10 +19,10 @@ broker alone (bench/fanout.py --slow-uplink). So each sampler tells, with its ne
 long its last version took from the source named for it and how fast it passed it on
 (`Took`); `Speeds` judges, and a peer found slow is named to nobody for SLOW_VERSIONS
 versions (a leaf: it still fetches), then tried again; found slow again, twice as long (up
-to SLOW_MAX_VERSIONS). Every peer is named with a `min_rate`, LEAVE_SHARE of the median rate
-samplers got versions from the broker at: a taker leaves a peer slower than that a few seconds
-in for the broker, unreported, so a slow peer not yet found out (or tried again) costs its
-takers seconds, not the whole download. Reports are the samplers' word: a liar can keep a
+to SLOW_MAX_VERSIONS). Every peer is named with a `min_rate`, LEAVE_SHARE of the rate the
+taker got versions from the broker at (else the median such rate): a taker leaves a peer
+slower than that a few seconds in for the broker, unreported, so a slow peer not yet found
+out (or tried again) costs its takers seconds, not the whole download. Reports are the samplers' word: a liar can keep a
 peer a leaf for a while (its own source only, and only with a second taker's word), which
 costs the broker bandwidth, never weights.
 """
@@ -117,7 +117,7 @@ class FanOut:
         shun no other. `took`: its last version's time from the source named for it."""
         with self.lock:
             if self.degree == 0:
-                return self._name(BROKER, sha256)
+                return self._name(BROKER, sha256, asker)
             for old in [v for v in self.sources if v <= version - VERSIONS_KEPT]:
                 del self.sources[old]
                 self.sizes.pop(old, None)
@@ -134,7 +134,7 @@ class FanOut:
             before = self.named_to.get((version, asker))
             if before is not None:
                 if failed is None or self.peers.get(before, ("",))[0] != failed:
-                    return self._name(before, sha256)  # the same, again
+                    return self._name(before, sha256, asker)  # the same, again
                 self._failed(version, before, asker)
             # Samplers keep the versions they hold and fetch (peers.KEEP): older ones, from
             # the broker.
@@ -163,7 +163,7 @@ class FanOut:
             self.named_to[(version, asker)] = chosen
             if asker in self.peers and asker not in sources:
                 sources[asker] = [0, sources[chosen][1] + 1]
-            return self._name(chosen, sha256)
+            return self._name(chosen, sha256, asker)
 
     def _below(self, version: int, peer: str) -> set[str]:
         """The samplers that fetch `version` from `peer`, from them, and so on."""
@@ -220,13 +220,14 @@ class FanOut:
         self.speeds.told(asker, took, self.sizes[v], None if source == BROKER else source,
                          n_source, takers)  # fmt: skip
 
-    def _name(self, source: str, sha256: str) -> WeightSource:
+    def _name(self, source: str, sha256: str, asker: str) -> WeightSource:
         if source == BROKER or source not in self.peers:
             self.named["broker"] += 1
             return WeightSource()
         self.named["peer"] += 1
         url, secret = self.peers[source]
-        return WeightSource(url=url, ticket=ticket(secret, sha256), min_rate=self.speeds.min_rate())
+        rate = self.speeds.min_rate(asker)
+        return WeightSource(url=url, ticket=ticket(secret, sha256), min_rate=rate)
 
 
 class Speeds:
@@ -250,6 +251,7 @@ class Speeds:
         self.trusted = trusted
         self.got: dict[tuple[int, str], float] = {}  # (version, sampler) -> bytes/s it got v at
         self.best: dict[str, float] = {}  # sampler -> the fastest it got a version from the broker
+        self.own: dict[str, float] = {}  # ... as every sampler tells it (trusted or not)
         self.heard: dict[str, int] = {}  # sampler -> the last version it told of
         # (version, source) -> its takers' (taker, rate, takers of the source), until the
         # source's own report of that version comes
@@ -275,8 +277,10 @@ class Speeds:
             return
         rate = min(size / took.seconds, MAX_RATE)
         self.got[(v, sampler)] = rate
-        if source is None and self.trusted(sampler):  # a line's speed: the broker's rates
-            self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
+        if source is None:  # a line's speed: the broker's rates
+            self.own[sampler] = max(self.own.get(sampler, 0.0), rate)
+            if self.trusted(sampler):
+                self.best[sampler] = self.own[sampler]
         self.heard[sampler] = v
         if took.served is not None and takers:  # its own word
             could = min(rate, sum(self.best.get(t, rate) for t in takers))
@@ -326,13 +330,21 @@ class Speeds:
         found, leaf_for = self.slow.get(peer, (-1, 0))
         return version <= found + leaf_for
 
-    def min_rate(self) -> float | None:
-        """LEAVE_SHARE of the median line: of the best rates samplers got versions from the
-        broker at (every rate below a slow peer is slow, so their median would not do)."""
-        if not self.best:
+    def min_rate(self, taker: str | None = None) -> float | None:
+        """LEAVE_SHARE of `taker`'s own line (the best rate it told it got a version from the
+        broker at: a cable taker would leave every peer by a datacentre's median, and its
+        word moves only its own rule), else of the median line: of the trusted samplers'
+        best rates (every rate below a slow peer is slow, so their median would not do),
+        or while none is trusted (a swarm's start), of every sampler's."""
+        lines = self.best or self.own
+        if taker in self.own:
+            line = self.own[taker]
+        elif lines:
+            line = statistics.median(lines.values())
+        else:
             return None
         low, high = MIN_RATE_RANGE
-        return min(max(LEAVE_SHARE * statistics.median(self.best.values()), low), high)
+        return min(max(LEAVE_SHARE * line, low), high)
 
     def prune(self, old: int) -> None:
         """Version `old` is forgotten: so are reports of it, and samplers not heard since."""
@@ -344,5 +356,6 @@ class Speeds:
     def forget(self, sampler: str) -> None:
         self.heard.pop(sampler, None)
         self.best.pop(sampler, None)
+        self.own.pop(sampler, None)
         self.blamers.pop(sampler, None)
         self.slow.pop(sampler, None)

@@ -100,3 +100,16 @@ def test_without_a_need_or_when_off_nobody_is_parked():
     assert act.decide(swarm(), None, now=1.0) == (set(), {"dear", "dearer"})
     off = Activation(margin=0.2, hold_s=0, enabled=False)
     assert off.decide(swarm(), NEED, now=0.0) == (set(), set())
+
+
+def test_a_samplers_fetches_between_versions_count_against_its_speed():
+    """Speeds are measured over leases that began with the version at hand; a sampler that
+    spends half the time between versions fetching makes half of it. Cheap and middling's
+    1,200 tokens/s cover the need x 1.2 only while fetching costs them nothing: with 30 s
+    fetches of a version every 60 s they make 600, and dear is kept too."""
+    slow_fetch = [s.model_copy(update={"fetch_s": 30.0}) for s in swarm()]
+    act = Activation(margin=0.2, hold_s=0)
+    assert act.decide(slow_fetch, NEED, now=0.0)[0] == {"dear", "dearer"}  # no interval known
+    act = Activation(margin=0.2, hold_s=0)
+    parked, _ = act.decide(slow_fetch, NEED, now=0.0, interval=60.0)
+    assert parked == {"dearer", "middling"}  # cheap 300 + dear 1,000 cover 1,200

@@ -84,15 +84,20 @@ def test_the_trainer_s_blocked_time_is_kept_beside_its_step_time():
     import pydantic
     import pytest
 
+    from echorl.broker.capacity import FED_STEPS
     from echorl.protocol import AckRequest
 
     pace = Pace()
+    assert pace.fed() is None
     # The first step's wait is the swarm's start (before, it weighed on the figure for
     # steps and woke every sampler activation had parked).
     for k, idle in enumerate((50.0, 0.0, 4.0, 4.0)):
         pace.step(5.0, 1000, now=10.0 * k, idle_s=idle)
-    assert pace.step_s == 10.0 and pace.idle_s == pytest.approx(0.2 * 4.0 + 0.2 * 0.8 * 4.0)
+    assert pace.fed() == pytest.approx(1 - 8.0 / 30.0)
     pace.step(5.0, 1000, now=40.0)  # a trainer that tells none leaves the figure as it was
-    assert pace.idle_s == pytest.approx(1.44)
+    assert pace.fed() == pytest.approx(1 - 8.0 / 30.0)
+    for k in range(FED_STEPS):  # the last FED_STEPS steps count
+        pace.step(5.0, 1000, now=50.0 + 10.0 * k, idle_s=1.0)
+    assert pace.fed() == pytest.approx(0.9)
     with pytest.raises(pydantic.ValidationError, match="idle_s"):
         AckRequest(job_ids=[1], step=0, idle_s=-1.0)

@@ -288,3 +288,31 @@ def test_a_failure_passed_down_a_chain_of_relays_is_charged_to_where_it_began():
         fan.source(0, SHA, asker, f"http://{source}.peer:9000")
     assert fan.reporters == {"h": {"p", "a", "b"}}
     assert fan.shunned[0] == {"h"}
+
+
+def test_min_rate_is_a_share_of_the_takers_own_line_and_known_from_the_start():
+    """A datacentre's line set every taker's min_rate: a cable taker (12.5 MB/s at best)
+    left every peer, however fast, for the broker. And with no sampler trusted yet (every
+    one at a swarm's start) there was no min_rate at all: takers waited out a cable relay's
+    whole download. Now a taker's own line sets its min_rate, and while none is trusted the
+    median of every sampler's line stands in (clamped: a liar moves it only so far)."""
+    sp = Speeds(trusted=lambda s: False)
+    assert sp.min_rate("anyone") is None  # nothing told yet
+    sp.told("dc", took(0, 1.0), 1_250_000_000, None, 1, [])  # 1.25 GB/s
+    sp.told("cable", took(0, 100.0), 1_250_000_000, None, 1, [])  # 12.5 MB/s
+    sp.told("fiber", took(0, 10.0), 1_250_000_000, None, 1, [])  # 125 MB/s
+    assert sp.best == {}  # nobody trusted: no line judges a peer
+    assert sp.min_rate("cable") == pytest.approx(LEAVE_SHARE * 12.5e6)
+    assert sp.min_rate("dc") == pytest.approx(LEAVE_SHARE * 1.25e9)
+    assert sp.min_rate("new") == pytest.approx(LEAVE_SHARE * 125e6)  # the median line
+    sp.trusted = lambda s: s == "fiber"
+    sp.told("fiber", took(1, 10.0), 1_250_000_000, None, 1, [])
+    assert sp.min_rate("new") == pytest.approx(LEAVE_SHARE * 125e6)  # the trusted lines'
+    fan = FanOut(1)
+    for sid in ("p", "cable"):
+        fan.join(sid, f"http://{sid}.peer:9000")
+    assert fan.source(0, SHA, "cable", None, 100).url is None  # the broker's
+    fan.source(0, SHA, "p", None, 100)
+    fan.source(1, SHA, "p", None, 100)
+    named = fan.source(1, SHA, "cable", None, 100, took(0, 10.0))  # its own line: 10 B/s
+    assert named.url == "http://p.peer:9000" and named.min_rate == MIN_RATE_RANGE[0]
