@@ -636,7 +636,7 @@ class LeaseReply(_Wire):
     # them need not ask; None before the first publish.
     latest: WeightVersion | None = None
     # broker.activation = cheapest: cheaper samplers cover the trainer's need, so this one is
-    # handed no jobs until woken (it may keep the latest version meanwhile).
+    # handed no jobs until woken (it fetches no version meanwhile).
     parked: bool = False
 
 

@@ -6,8 +6,8 @@ The trainer takes `needed` tokens/s (a step's completion tokens over its compute
 not yet proven, not yet measured: a newcomer must work to be measured) are never parked.
 Of the proven priced ones the broker keeps the cheapest per token/s whose speeds cover
 `needed` x (1 + margin) and parks the rest: they stay registered and heartbeat, their
-leases come back empty with `parked` set (they keep the latest version meanwhile, so a
-wake costs no download), and cost nothing while parked.
+leases come back empty with `parked` set (they fetch no version meanwhile, leaving the
+broker's uplink to the working samplers), and cost nothing while parked.
 
 Speeds are the broker's own measures of delivered groups, over the leases a sampler began
 holding the version it generated with (`BrokerStore._measure`: a lease that began with a
@@ -35,7 +35,7 @@ SAVING = 0.05  # parking happens only when it cuts the active cost per hour by t
 BUSY_FLOOR = 0.92  # an async trainer blocked on groups more than the rest of its steps is short
 PROBE_SHARE = 0.1  # of the working speed woken, and of trust lost, when the trainer is short
 MIN_TRUST = 0.5  # the speeds are never believed less than this share
-FETCH_FLOOR = 0.1  # a sampler fetching all the time between versions still counts this share
+FETCH_FLOOR = 0.1  # a sampler fetching all the time still counts this share of its speed
 
 
 class Activation:
@@ -56,14 +56,16 @@ class Activation:
         needed: float | None,
         busy: float | None = None,
         now: float | None = None,
-        interval: float | None = None,
+        fetching: dict[str, float] | None = None,
     ) -> tuple[set[str], set[str]]:
         """Park or wake from the samplers as they are, the trainer's `needed` tokens/s,
         (async) the share of its recent steps it was not blocked on groups (`busy`) and the
-        seconds between its versions (`interval`); returns (parked now, woken)."""
+        share of its time each sampler spends fetching versions (`Pace.fetching`); returns
+        (parked now, woken)."""
         now = time.monotonic() if now is None else now
+        fetching = fetching or {}
         with self.lock:
-            alive = [working(s, interval) for s in samplers if s.state == "alive"]
+            alive = [working(s, fetching.get(s.id)) for s in samplers if s.state == "alive"]
             ids = {s.id for s in alive}
             woken = self.parked - ids  # gone: nothing to park
             self.parked &= ids
@@ -120,13 +122,13 @@ class Activation:
         return back
 
 
-def working(s: SamplerStatus, interval: float | None) -> SamplerStatus:
-    """`s` with the speed it makes between versions: its measured speed is over leases that
-    began with the version at hand, and each version costs it its `fetch_s` (its word: a
-    liar's shortfall shows in the trainer's fed share), of `interval` seconds."""
-    if not interval or not s.fetch_s or not s.tokens_per_s:
+def working(s: SamplerStatus, fetching: float | None) -> SamplerStatus:
+    """`s` with the speed it makes over time: its measured speed is over leases that began
+    with the version at hand, and it spends `fetching` of its time on versions (its own
+    word: a liar's shortfall shows in the trainer's fed share)."""
+    if not fetching or not s.tokens_per_s:
         return s
-    share = max(FETCH_FLOOR, 1.0 - s.fetch_s / interval)
+    share = max(FETCH_FLOOR, 1.0 - fetching)
     return s.model_copy(update={"tokens_per_s": s.tokens_per_s * share})
 
 

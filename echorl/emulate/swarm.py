@@ -364,14 +364,14 @@ class EmuSampler:
         jobs = reply["jobs"]
         latest = reply["latest_version"]
         self.park(reply.get("parked", False))
-        want = max([latest, *[j["required_version"] or 0 for j in jobs]]) if jobs else latest
+        if not jobs:  # as the real sampler: idle or parked, it fetches nothing
+            self.empty += 1
+            return
+        want = max([latest, *[j["required_version"] or 0 for j in jobs]])
         if want >= 0 and (self.held is None or self.held < want) and want in sw.versions:
             t0 = sw.net.now()
             await self.fetch(want)
             self.spent["fetch"] += sw.net.now() - t0
-        if not jobs:
-            self.empty += 1
-            return
         self.leased += len(jobs)
         if self.hostile:
             return  # it holds them and never pushes: its leases lapse

@@ -85,16 +85,16 @@ class Sampler:
 
     def parked(self, reply: LeaseReply) -> None:
         """Parked by the broker (`broker.activation = cheapest`: cheaper samplers cover the
-        trainer's need): no jobs until woken. It keeps the latest version meanwhile, so a
-        wake costs no download (a delta or a peer's copy where the broker offers them)."""
+        trainer's need): no jobs until woken. It fetches no version meanwhile: parked
+        samplers fetching each one shared the broker's uplink with the working ones and
+        doubled their fetches (emulated, K = 32 with deltas); woken, it fetches the latest
+        with its first lease, as after any idle spell."""
         if not self.was_parked:
             log.warning(
                 "%s: parked by the broker (cheaper samplers cover the trainer's need); "
-                "keeping the latest version until woken",
+                "waiting to be woken",
                 self.name,
             )
-        if reply.latest_version >= 0 and self.version != reply.latest_version:
-            self.ensure_version(reply.latest_version, reply.latest)
 
     def work(self, sampler_id: str, reply: LeaseReply, beat: Heartbeat | None = None) -> None:
         """Generate the leased jobs as one batch with one version, and push each group."""
