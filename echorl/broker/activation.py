@@ -11,16 +11,19 @@ broker's uplink to the working samplers), and cost nothing while parked.
 
 Speeds are the broker's own measures of delivered groups, over the leases a sampler began
 holding the version it generated with (`BrokerStore._measure`: a lease that began with a
-download timed the link too), less the share of the time between versions its fetches
-take (`working`); only proven samplers' count (a fresh identity's one fast group must not
-park the swarm).
+download timed the link too: a sampler that fetched each version for a few jobs looked
+several times slower than it generates); only proven samplers' count (a fresh identity's
+one fast group must not park the swarm). What fetches cost the working samplers depends on
+how many fetch at once (the broker's uplink): measured with everyone active it would
+forbid the parking that lowers it, so the trainer's fed share checks it instead.
 
 Hysteresis: a shortfall by the speeds (a sampler left, or measures slower) wakes the
 cheapest parked at once; parking waits `hold_s` after the last change and needs a SAVING
-of the active cost. An async trainer fed under BUSY_FLOOR of its steps (blocked on groups
-the rest, as its acks tell) while samplers are parked is the check on the speeds: they promised more than the trainer got, so they are
-believed a PROBE_SHARE less (`trust`: the cover grows, and stays grown) and that share of
-the working speed is woken, at most once a hold.
+of the active cost. An async trainer fed under BUSY_FLOOR of its last steps (blocked on
+groups the rest, as its acks tell) while samplers are parked is the check on the speeds:
+they promised more than the trainer got, so they are believed a PROBE_SHARE less (`trust`:
+the cover grows, and stays grown) and that share of the working speed is woken, at most
+once a hold; nothing parks while the trainer waits.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ SAVING = 0.05  # parking happens only when it cuts the active cost per hour by t
 BUSY_FLOOR = 0.92  # an async trainer blocked on groups more than the rest of its steps is short
 PROBE_SHARE = 0.1  # of the working speed woken, and of trust lost, when the trainer is short
 MIN_TRUST = 0.5  # the speeds are never believed less than this share
-FETCH_FLOOR = 0.1  # a sampler fetching all the time still counts this share of its speed
 
 
 class Activation:
@@ -56,16 +58,13 @@ class Activation:
         needed: float | None,
         busy: float | None = None,
         now: float | None = None,
-        fetching: dict[str, float] | None = None,
     ) -> tuple[set[str], set[str]]:
-        """Park or wake from the samplers as they are, the trainer's `needed` tokens/s,
-        (async) the share of its recent steps it was not blocked on groups (`busy`) and the
-        share of its time each sampler spends fetching versions (`Pace.fetching`); returns
+        """Park or wake from the samplers as they are, the trainer's `needed` tokens/s and
+        (async) the share of its recent steps it was not blocked on groups (`busy`); returns
         (parked now, woken)."""
         now = time.monotonic() if now is None else now
-        fetching = fetching or {}
         with self.lock:
-            alive = [working(s, fetching.get(s.id)) for s in samplers if s.state == "alive"]
+            alive = [s for s in samplers if s.state == "alive"]
             ids = {s.id for s in alive}
             woken = self.parked - ids  # gone: nothing to park
             self.parked &= ids
@@ -120,16 +119,6 @@ class Activation:
                 got += _speed(s)
         self.parked -= back
         return back
-
-
-def working(s: SamplerStatus, fetching: float | None) -> SamplerStatus:
-    """`s` with the speed it makes over time: its measured speed is over leases that began
-    with the version at hand, and it spends `fetching` of its time on versions (its own
-    word: a liar's shortfall shows in the trainer's fed share)."""
-    if not fetching or not s.tokens_per_s:
-        return s
-    share = max(FETCH_FLOOR, 1.0 - fetching)
-    return s.model_copy(update={"tokens_per_s": s.tokens_per_s * share})
 
 
 def cheapest_cover(by_cost: list[SamplerStatus], rate: float) -> list[SamplerStatus]:

@@ -79,21 +79,6 @@ class Pace:
             for old in [v for v in self.fetch_s if v <= version - VERSIONS_KEPT]:
                 del self.fetch_s[old]
 
-    def fetching(self) -> dict[str, float]:
-        """Each trusted sampler's share of the time between the recent versions it spent
-        fetching and loading them (a sampler skips versions its staleness allows: a share of
-        a version's fetch over the time between two would count each)."""
-        with self.lock:
-            versions = sorted(self.fetch_s)[:-1]  # the newest is still arriving
-            if len(versions) < 2 or not self.step_s:
-                return {}
-            span = (versions[-1] - versions[0] + 1) * self.step_s  # a version a step
-            total: dict[str, float] = {}
-            for v in versions:
-                for who, seconds in self.fetch_s[v].items():
-                    total[who] = total.get(who, 0.0) + seconds
-        return {who: min(1.0, t / span) for who, t in total.items()}
-
     def told(self, who: str, seconds: float | None) -> None:
         """Sampler `who` (trusted or not) loaded a version in `seconds`: for its own account."""
         if seconds is None:

@@ -323,7 +323,7 @@ class BrokerState:
             if busy is None and pace.step_s and pace.train_s:  # a trainer that tells no idle_s
                 busy = min(1.0, pace.train_s / pace.step_s)
         samplers = self.sampler_statuses(b.max_samplers)
-        parked, woken = self.activation.decide(samplers, needed, busy, fetching=pace.fetching())
+        parked, woken = self.activation.decide(samplers, needed, busy)
         names = {s.id: s.name for s in samplers}
         if parked or woken:  # seen in the broker's output: who works changed
             log.warning(

@@ -100,32 +100,3 @@ def test_without_a_need_or_when_off_nobody_is_parked():
     assert act.decide(swarm(), None, now=1.0) == (set(), {"dear", "dearer"})
     off = Activation(margin=0.2, hold_s=0, enabled=False)
     assert off.decide(swarm(), NEED, now=0.0) == (set(), set())
-
-
-def test_a_samplers_fetches_between_versions_count_against_its_speed():
-    """Speeds are measured over leases that began with the version at hand; a sampler that
-    spends half its time fetching versions makes half of it. Cheap and middling's 1,200
-    tokens/s cover the need x 1.2 only while fetching costs them nothing: fetching half the
-    time they make 600, and dear is kept too."""
-    act = Activation(margin=0.2, hold_s=0)
-    assert act.decide(swarm(), NEED, now=0.0)[0] == {"dear", "dearer"}
-    act = Activation(margin=0.2, hold_s=0)
-    half = {s.id: 0.5 for s in swarm()}
-    parked, _ = act.decide(swarm(), NEED, now=0.0, fetching=half)
-    assert parked == {"dearer", "middling"}  # cheap 300 + dear 1,000 cover 1,200
-
-
-def test_a_samplers_fetching_share_counts_the_versions_it_fetched():
-    """A version a step (10 s); over versions 0-3 (the newest, 4, still arriving), a
-    sampler that fetched each in 5 s spent half its time fetching, one that fetched every
-    other (as async staleness lets it) a quarter."""
-    from echorl.broker.capacity import Pace
-
-    pace = Pace()
-    for k in range(3):
-        pace.step(1.0, 100, now=10.0 * k)
-    for v in range(5):
-        pace.fetched(v, 5.0, "each")
-        if v % 2 == 0:
-            pace.fetched(v, 5.0, "every other")
-    assert pace.fetching() == {"each": 0.5, "every other": 0.25}
