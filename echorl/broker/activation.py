@@ -47,6 +47,10 @@ class Activation:
         self.trust = 1.0  # the share of the measured speeds believed (an idle trainer lowers it)
         self.changed = -float("inf")  # monotonic time of the last change
         self.reason = ""  # why the last change was made, for the broker's log
+        # The fastest working (not parked) proven sampler's speed, while any is parked: the
+        # yardstick of leases by speed (a parked H100 shrank every RTX 3090's lease to a
+        # fifth, and short leases fetched every version)
+        self.fastest: float | None = None
         self.lock = threading.Lock()
 
     def is_parked(self, sampler_id: str) -> bool:
@@ -64,49 +68,65 @@ class Activation:
         (parked now, woken)."""
         now = time.monotonic() if now is None else now
         with self.lock:
-            alive = [s for s in samplers if s.state == "alive"]
-            ids = {s.id for s in alive}
-            woken = self.parked - ids  # gone: nothing to park
-            self.parked &= ids
-            if not self.enabled or not needed:
-                woken |= self.parked
-                self.parked = set()
-                return set(), woken
-            priced = [s for s in alive if _priced(s)]
-            free = sum(_speed(s) for s in alive if not _priced(s) and s.standing in TRUSTED)
-            by_cost = sorted(priced, key=lambda s: s.cost_per_hour / _speed(s))
-            active = free + sum(_speed(s) for s in priced if s.id not in self.parked)
-            want = needed * (1 + self.margin)
-            held = now - self.changed >= self.hold_s  # the last change has had its hold
-            if self.trust * active < needed * (1 + self.margin / 2):  # short: wake at once
-                back = self._wake(by_cost, want / self.trust - active)
-                self.reason = f"short: {active:.0f} tokens/s active, {needed:.0f} needed"
-            elif busy is not None and busy < BUSY_FLOOR and self.parked and held:
-                # The speeds over-promise: believe them less, and wake that share.
-                self.trust = max(MIN_TRUST, self.trust * (1 - PROBE_SHARE))
-                back = self._wake(by_cost, PROBE_SHARE * active)
-                self.reason = (
-                    f"the trainer fed {busy:.0%} of its steps: speeds believed {self.trust:.0%}"
-                )
-            else:
-                back = set()
-            if back:
-                self.changed = now
-                return set(), woken | back
-            if not held or (busy is not None and busy < BUSY_FLOOR):  # none parks while it waits
-                return set(), woken
-            keep = cheapest_cover(by_cost, want / self.trust - free)
-            cost = sum(s.cost_per_hour for s in priced if s.id not in self.parked)
-            if sum(s.cost_per_hour for s in keep) > cost * (1 - SAVING):
-                return set(), woken
-            new = {s.id for s in priced} - {s.id for s in keep}
-            parked, woke = new - self.parked, self.parked - new
+            moved = self._decide(samplers, needed, busy, now)
+            working = [
+                _speed(s)
+                for s in samplers
+                if s.state == "alive" and s.standing in TRUSTED and s.id not in self.parked
+            ]
+            self.fastest = max(working, default=None) if self.parked else None
+            return moved
+
+    def _decide(
+        self,
+        samplers: list[SamplerStatus],
+        needed: float | None,
+        busy: float | None,
+        now: float,
+    ) -> tuple[set[str], set[str]]:
+        alive = [s for s in samplers if s.state == "alive"]
+        ids = {s.id for s in alive}
+        woken = self.parked - ids  # gone: nothing to park
+        self.parked &= ids
+        if not self.enabled or not needed:
+            woken |= self.parked
+            self.parked = set()
+            return set(), woken
+        priced = [s for s in alive if _priced(s)]
+        free = sum(_speed(s) for s in alive if not _priced(s) and s.standing in TRUSTED)
+        by_cost = sorted(priced, key=lambda s: s.cost_per_hour / _speed(s))
+        active = free + sum(_speed(s) for s in priced if s.id not in self.parked)
+        want = needed * (1 + self.margin)
+        held = now - self.changed >= self.hold_s  # the last change has had its hold
+        if self.trust * active < needed * (1 + self.margin / 2):  # short: wake at once
+            back = self._wake(by_cost, want / self.trust - active)
+            self.reason = f"short: {active:.0f} tokens/s active, {needed:.0f} needed"
+        elif busy is not None and busy < BUSY_FLOOR and self.parked and held:
+            # The speeds over-promise: believe them less, and wake that share.
+            self.trust = max(MIN_TRUST, self.trust * (1 - PROBE_SHARE))
+            back = self._wake(by_cost, PROBE_SHARE * active)
             self.reason = (
-                f"{sum(_speed(s) for s in keep) + free:.0f} tokens/s cover {needed:.0f} "
-                f"x {1 + self.margin:g} / {self.trust:.2f} for {sum(s.cost_per_hour for s in keep):.2f}/h"
+                f"the trainer fed {busy:.0%} of its steps: speeds believed {self.trust:.0%}"
             )
-            self.parked, self.changed = new, now
-            return parked, woken | woke
+        else:
+            back = set()
+        if back:
+            self.changed = now
+            return set(), woken | back
+        if not held or (busy is not None and busy < BUSY_FLOOR):  # none parks while it waits
+            return set(), woken
+        keep = cheapest_cover(by_cost, want / self.trust - free)
+        cost = sum(s.cost_per_hour for s in priced if s.id not in self.parked)
+        if sum(s.cost_per_hour for s in keep) > cost * (1 - SAVING):
+            return set(), woken
+        new = {s.id for s in priced} - {s.id for s in keep}
+        parked, woke = new - self.parked, self.parked - new
+        self.reason = (
+            f"{sum(_speed(s) for s in keep) + free:.0f} tokens/s cover {needed:.0f} "
+            f"x {1 + self.margin:g} / {self.trust:.2f} for {sum(s.cost_per_hour for s in keep):.2f}/h"
+        )
+        self.parked, self.changed = new, now
+        return parked, woken | woke
 
     def _wake(self, by_cost: list[SamplerStatus], rate: float) -> set[str]:
         """The cheapest parked per token/s whose speeds add up to `rate` (at least one)."""

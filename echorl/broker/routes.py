@@ -260,6 +260,7 @@ async def lease(
             max_held=max_held,
             probation=st.probation,
             by_speed=b.lease_by_speed,
+            fastest=st.activation.fastest,
         )
 
     jobs = await st.jobs_bell.poll(body.wait_s, attempt, st.writer.samplers)

@@ -459,13 +459,15 @@ class BrokerStore(SwarmBook):
         max_held: int | None = None,
         probation: Probation | None = None,
         by_speed: bool = False,
+        fastest: float | None = None,
     ) -> list[Job]:
         """Up to `n` jobs for `sampler_id`: queued ones first, then new ones from the cursor.
         With `admit`, no more than the admission budget, read in the same transaction; with
         `max_held`, no more than that many leased to this sampler at once (one that hoards
         leases and never pushes cannot take every admitted job); with `probation`, fewer
         while it has delivered little (`Probation`); with `by_speed`, fewer the slower it is
-        than the fastest alive sampler (`fair_share`)."""
+        than the fastest alive sampler (`fair_share`), or than `fastest` tokens/s if given
+        (cost-aware activation's fastest working sampler: a parked one is no yardstick)."""
 
         def fn(c):
             nonlocal n, required_version
@@ -490,12 +492,12 @@ class BrokerStore(SwarmBook):
                 # shrank every honest sampler's lease to one job.
                 # Without probation every identity is trusted: all alive samplers count.
                 proven = "" if probation is None else f"AND {proven_sql(probation.proven_tokens)}"
-                mine, fastest = c.execute(
+                mine, top = c.execute(
                     "SELECT tokens_per_s, (SELECT MAX(tokens_per_s) FROM samplers "
                     f"WHERE state = 'alive' {proven}) FROM samplers WHERE id = ?",
                     (sampler_id,),
                 ).fetchone()
-                n = fair_share(n, mine, fastest)
+                n = fair_share(n, mine, top if fastest is None else fastest)
             newcomer = probation is not None and not probation.proven(row[2], row[3])
             if max_held is not None:
                 n = min(n, max_held - held)

@@ -24,6 +24,11 @@ def test_the_cheapest_cover_with_headroom_works_and_the_rest_are_parked():
     # 1200 tokens/s from cheap + middling covers 1000 x 1.2 for 1.8/h: dear and dearer wait.
     assert parked == {"dear", "dearer"} and woken == set()
     assert act.is_parked("dear") and not act.is_parked("cheap")
+    # Leases by speed measure against the fastest working sampler, not a parked one (a
+    # parked H100 shrank each working RTX 3090's lease to a fifth): none parked, none given.
+    assert act.fastest == 600.0
+    act.decide(swarm(), None, now=1.0)
+    assert act.fastest is None
 
 
 def test_the_cover_drops_a_sampler_it_does_not_need():

@@ -424,6 +424,8 @@ def test_leases_by_speed_follow_the_measured_tokens_per_second(s):
     assert len(s.lease(fast, 8, 2, now=0, lease_seconds=10, by_speed=True)) == 8
     assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10, by_speed=True)) == 2
     assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10)) == 8  # off: as asked
+    # Against a given yardstick (activation's fastest working sampler): 150 of 300, all 8.
+    assert len(s.lease(slow, 8, 2, now=0, lease_seconds=10, by_speed=True, fastest=300.0)) == 8
 
 
 def test_a_samplers_speed_leaves_out_leases_that_began_with_a_download(s):
