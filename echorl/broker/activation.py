@@ -46,6 +46,7 @@ class Activation:
         self.parked: set[str] = set()
         self.trust = 1.0  # the share of the measured speeds believed (an idle trainer lowers it)
         self.changed = -float("inf")  # monotonic time of the last change
+        self.changed_at = 0.0  # ... its wall-clock time: the trainer's fed share counts after it
         self.reason = ""  # why the last change was made, for the broker's log
         # The fastest working (not parked) proven sampler's speed, while any is parked: the
         # yardstick of leases by speed (a parked H100 shrank every RTX 3090's lease to a
@@ -84,6 +85,7 @@ class Activation:
         busy: float | None,
         now: float,
     ) -> tuple[set[str], set[str]]:
+        self.reason = ""
         alive = [s for s in samplers if s.state == "alive"]
         ids = {s.id for s in alive}
         woken = self.parked - ids  # gone: nothing to park
@@ -100,7 +102,10 @@ class Activation:
         held = now - self.changed >= self.hold_s  # the last change has had its hold
         if self.trust * active < needed * (1 + self.margin / 2):  # short: wake at once
             back = self._wake(by_cost, want / self.trust - active)
-            self.reason = f"short: {active:.0f} tokens/s active, {needed:.0f} needed"
+            self.reason = (
+                f"short: {active:.0f} tokens/s active, believed {self.trust:.0%} of it, "
+                f"{needed:.0f} needed"
+            )
         elif busy is not None and busy < BUSY_FLOOR and self.parked and held:
             # The speeds over-promise: believe them less, and wake that share.
             self.trust = max(MIN_TRUST, self.trust * (1 - PROBE_SHARE))
@@ -111,7 +116,7 @@ class Activation:
         else:
             back = set()
         if back:
-            self.changed = now
+            self.changed, self.changed_at = now, time.time()
             return set(), woken | back
         if not held or (busy is not None and busy < BUSY_FLOOR):  # none parks while it waits
             return set(), woken
@@ -125,7 +130,7 @@ class Activation:
             f"{sum(_speed(s) for s in keep) + free:.0f} tokens/s cover {needed:.0f} "
             f"x {1 + self.margin:g} / {self.trust:.2f} for {sum(s.cost_per_hour for s in keep):.2f}/h"
         )
-        self.parked, self.changed = new, now
+        self.parked, self.changed, self.changed_at = new, now, time.time()
         return parked, woken | woke
 
     def _wake(self, by_cost: list[SamplerStatus], rate: float) -> set[str]:

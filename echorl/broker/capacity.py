@@ -31,7 +31,8 @@ EMA = 0.2  # weight of the newest step in the trainer's averages
 TRUSTED = ("proven", "trusted (no probation)")  # standings whose numbers count
 OWN_KEPT = 10_000  # samplers whose own fetch times are kept (the most recent)
 VERSIONS_KEPT = 16  # versions whose spread is tracked
-FED_STEPS = 8  # the trainer's steps over which its fed share is taken (`Pace.fed`)
+FED_STEPS = 8  # the trainer's steps over which its fed share is taken (`Pace.fed`) ...
+FED_MIN_STEPS = 2  # ... and the fewest it is taken over
 
 
 class Pace:
@@ -42,8 +43,8 @@ class Pace:
         self.train_s: float | None = None
         self.step_tokens: float | None = None
         self.step_s: float | None = None  # wall time between acks
-        # (wall time since the last ack, of it blocked on groups) of the last FED_STEPS steps
-        self.recent: deque[tuple[float, float]] = deque(maxlen=FED_STEPS)
+        # (acked at, wall time since the ack before, of it blocked on groups): the last steps
+        self.recent: deque[tuple[float, float, float]] = deque(maxlen=FED_STEPS)
         self.last_ack: float | None = None
         self.fetch_s: dict[int, dict[str, float]] = {}  # version -> sampler -> fetch and load
         # Each sampler's own recent fetches (any sampler's: only its own account shows them).
@@ -54,20 +55,23 @@ class Pace:
         with self.lock:
             self.train_s = _ema(self.train_s, train_s)
             if idle_s is not None and self.last_ack is not None:  # the first waited for the start
-                self.recent.append((now - self.last_ack, idle_s))
+                self.recent.append((now, now - self.last_ack, idle_s))
             self.step_tokens = _ema(self.step_tokens, tokens)
             if self.last_ack is not None:
                 self.step_s = _ema(self.step_s, now - self.last_ack)
             self.last_ack = now
 
-    def fed(self) -> float | None:
+    def fed(self, since: float = 0.0) -> float | None:
         """The share of its last FED_STEPS steps' wall time the trainer was not blocked on
-        groups (None: it tells no idle_s, or has made one step)."""
+        groups, of those acked after `since` (a change of who works: steps before it say
+        nothing of it, and counted again a hold later they cut the trust once a hold on one
+        old episode); None with fewer than FED_MIN_STEPS of them, or no idle_s told."""
         with self.lock:
-            wall = sum(w for w, _ in self.recent)
-            if not wall:
+            steps = [(w, i) for at, w, i in self.recent if at > since]
+            wall = sum(w for w, _ in steps)
+            if len(steps) < FED_MIN_STEPS or not wall:
                 return None
-            return max(0.0, 1.0 - sum(i for _, i in self.recent) / wall)
+            return max(0.0, 1.0 - sum(i for _, i in steps) / wall)
 
     def fetched(self, version: int | None, seconds: float | None, who: str = "") -> None:
         """Sampler `who` loaded `version` in `seconds` (download and load): its last word

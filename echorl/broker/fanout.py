@@ -279,8 +279,8 @@ class Speeds:
         self.got[(v, sampler)] = rate
         if source is None:  # a line's speed: the broker's rates
             self.own[sampler] = max(self.own.get(sampler, 0.0), rate)
-            if self.trusted(sampler):
-                self.best[sampler] = self.own[sampler]
+            if self.trusted(sampler):  # its reports from before it was trusted count not
+                self.best[sampler] = max(self.best.get(sampler, 0.0), rate)
         self.heard[sampler] = v
         if took.served is not None and takers:  # its own word
             could = min(rate, sum(self.best.get(t, rate) for t in takers))

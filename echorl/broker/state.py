@@ -318,10 +318,10 @@ class BrokerState:
             return
         needed = pace.step_tokens / pace.train_s if pace.train_s and pace.step_tokens else None
         busy = None  # the share of its steps the trainer was not blocked on groups
-        if b.mode == "async":
-            busy = pace.fed()
-            if busy is None and pace.step_s and pace.train_s:  # a trainer that tells no idle_s
-                busy = min(1.0, pace.train_s / pace.step_s)
+        if b.mode == "async" and pace.recent:  # the steps since who works last changed
+            busy = pace.fed(since=self.activation.changed_at)
+        elif b.mode == "async" and pace.step_s and pace.train_s:  # one that tells no idle_s
+            busy = min(1.0, pace.train_s / pace.step_s)
         samplers = self.sampler_statuses(b.max_samplers)
         parked, woken = self.activation.decide(samplers, needed, busy)
         names = {s.id: s.name for s in samplers}

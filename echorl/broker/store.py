@@ -118,7 +118,7 @@ MIGRATIONS = (
     ("jobs", "extra", "INTEGER NOT NULL DEFAULT 0"),
     ("samplers", "cost_per_hour", "REAL"),
     ("jobs", "leased_at", "REAL"),
-    ("jobs", "lease_held", "INTEGER"),  # the version its sampler held when it leased it
+    ("jobs", "lease_held", "INTEGER"),  # its sampler's last delivered group's version then
     ("rollouts", "tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("rollouts", "parts", "TEXT"),  # a dataset task's rewards, one by one (sums, counts)
     ("rollouts", "flat", "INTEGER NOT NULL DEFAULT 0"),  # set aside by dynamic sampling
@@ -583,7 +583,8 @@ class BrokerStore(SwarmBook):
         c.execute(
             "UPDATE jobs SET state = 'leased', lease_owner = ?, leased_at = ?, lease_deadline = ?, "
             "required_version = ?, extra = ?, "
-            "lease_held = (SELECT version_held FROM samplers WHERE id = ?) WHERE job_id = ?",
+            "lease_held = (SELECT version FROM rollouts WHERE sampler_id = ? "
+            "ORDER BY created_at DESC LIMIT 1) WHERE job_id = ?",
             (sampler_id, now, deadline, required_version, int(extra), sampler_id, job_id),
         )
         task, seed, prompt, prompt_ids, g = c.execute(
@@ -712,10 +713,12 @@ class BrokerStore(SwarmBook):
     @staticmethod
     def _measure(c, sampler_id: str) -> None:
         """The sampler's speed as the broker saw it (`delivered_speed`), never as it claims:
-        over its groups generated on the version it already held when it leased them, when
-        it has STEADY_GROUPS of those (a lease that began with a version's download timed
-        the link too: a sampler that fetched each version for a few jobs looked slow by the
-        fetch); else over all its groups. Telling a wrong version held can only slow it."""
+        over its groups generated on the version of the group it had delivered last when it
+        leased them (it needed no download), when it has STEADY_GROUPS of those (a lease
+        that began with a version's download timed the link too: a sampler that fetched
+        each version for a few jobs looked slow by the fetch); else over all its groups.
+        What it delivered, not the version it tells it holds: told, a sampler could pick
+        which of its leases time it (a group's version is checked by the audit)."""
         spans = c.execute(
             "SELECT j.leased_at, r.created_at, r.tokens, r.version = j.lease_held "
             "FROM rollouts r JOIN jobs j ON j.job_id = r.job_id "

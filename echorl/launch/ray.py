@@ -106,14 +106,16 @@ class RoleActor:
         verifier worker) may hold the pipe open after the command died."""
         code = self.proc.wait()
         died = code != 0 and not self.stopping
-        if died and self.lost is not None:
-            tell_lost(*self.lost, self.name)  # first: its leases go back now
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group
-        self.reader.join(5)
-        if died:
-            self.log.write(f"--- exited with {code}: the actor ends, Ray may restart it ---\n")
-            os._exit(1)  # a dead command is a dead actor: Ray restarts it
+        try:
+            if died and self.lost is not None:
+                tell_lost(*self.lost, self.name)  # first: its leases go back now
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group
+            self.reader.join(5)
+            if died:
+                self.log.write(f"--- exited with {code}: the actor ends, Ray may restart it ---\n")
+                os._exit(1)  # a dead command is a dead actor: Ray restarts it
 
     def where(self) -> tuple[str, int]:
         """(node IP, the command's pid)."""

@@ -4,7 +4,7 @@ nothing but train.
     io = BrokerIO(client, cpus={1})       # starts the helper (spawn; it never imports torch)
     io.prefetch(step, n)                  # the helper pulls step's groups (a long poll)
     groups, wait = io.batch(step, stop)   # ... and hands them over when the trainer asks
-    io.ack(ids, step, s, tokens); io.audit(report)   # fire and forget, in order
+    io.ack(ids, step, s, tokens, idle); io.audit(report)   # fire and forget, in order
     io.publish(state, meta, version)      # one copy into a shared buffer; checked, hashed, uploaded there
     io.wait()                             # that version is stored at the broker
     io.open_log(path, step); io.log(record, line)   # metrics.jsonl, TensorBoard, the console

@@ -334,12 +334,13 @@ def hoard_run(tmp_path, mode, junk_first, lapse=False, honest=2) -> dict:
                 finally:
                     os.kill(samplers[0].pid, signal.SIGCONT)
                     time.sleep(0.005 * (attempt % 7))  # let it run a little, a varied while
-            assert query(tmp_path / "b", barred)[0][0] > 0, "no lapse"
+            bar_end = query(tmp_path / "b", barred)[0][0]
+            assert bar_end > 0, "no lapse"
             # Barred one lease period from when the broker saw the lapse; then back at work:
             # timed from 5 steps after its first group delivered after the bar.
             again = (
                 "SELECT COUNT(*) FROM rollouts r JOIN samplers s ON s.id = r.sampler_id "
-                "WHERE s.name = 'honest0' AND r.created_at > s.barred_until"
+                f"WHERE s.name = 'honest0' AND r.created_at > {bar_end}"
             )
             wait_until(lambda: query(tmp_path / "b", again)[0][0] > 0, 60, "honest0 back")
             back = max(times) if reached(-1) or times else 0
@@ -349,12 +350,14 @@ def hoard_run(tmp_path, mode, junk_first, lapse=False, honest=2) -> dict:
         lapsed = query(tmp_path / "b", lapses)[0][0]
         wait_until(lambda: reached(s0 + 20), timeout=120, what="20 steps under attack")
         lapsed = query(tmp_path / "b", lapses)[0][0] - lapsed
-        # honest0's jobs leased after its bar, and those of them leased as a newcomer's
-        after_bar = query(
-            tmp_path / "b",
-            "SELECT COUNT(*), COALESCE(SUM(j.extra), 0) FROM jobs j JOIN samplers s "
-            "ON s.id = j.lease_owner WHERE s.name = 'honest0' AND j.leased_at > s.barred_until",
-        )[0]
+        # honest0's jobs leased after its (first) bar, and those leased as a newcomer's
+        after_bar = None
+        if lapse:
+            after_bar = query(
+                tmp_path / "b",
+                "SELECT COUNT(*), COALESCE(SUM(j.extra), 0) FROM jobs j JOIN samplers s "
+                f"ON s.id = j.lease_owner WHERE s.name = 'honest0' AND j.leased_at > {bar_end}",
+            )[0]
     finally:
         stop.set()
         for p in [*samplers, trainer]:

@@ -82,7 +82,6 @@ def test_the_trainer_s_blocked_time_is_kept_beside_its_step_time():
     blocked on them (`AckRequest.idle_s`), not compute over step time (the trainer's own
     bookkeeping made a fed trainer look 8% short)."""
     import pydantic
-    import pytest
 
     from echorl.broker.capacity import FED_STEPS
     from echorl.protocol import AckRequest
@@ -99,5 +98,11 @@ def test_the_trainer_s_blocked_time_is_kept_beside_its_step_time():
     for k in range(FED_STEPS):  # the last FED_STEPS steps count
         pace.step(5.0, 1000, now=50.0 + 10.0 * k, idle_s=1.0)
     assert pace.fed() == pytest.approx(0.9)
+    # Since a change of who works, only the steps acked after it (two at least): one old
+    # hungry episode, counted again each hold, cut the trust once a hold.
+    pace.step(5.0, 1000, now=130.0, idle_s=0.0)
+    assert pace.fed(since=125.0) is None
+    pace.step(5.0, 1000, now=140.0, idle_s=0.0)
+    assert pace.fed(since=125.0) == 1.0
     with pytest.raises(pydantic.ValidationError, match="idle_s"):
         AckRequest(job_ids=[1], step=0, idle_s=-1.0)

@@ -305,10 +305,13 @@ def test_min_rate_is_a_share_of_the_takers_own_line_and_known_from_the_start():
     assert sp.min_rate("cable") == pytest.approx(LEAVE_SHARE * 12.5e6)
     assert sp.min_rate("dc") == pytest.approx(LEAVE_SHARE * 1.25e9)
     assert sp.min_rate("new") == pytest.approx(LEAVE_SHARE * 125e6)  # the median line
-    sp.trusted = lambda s: s == "fiber"
-    sp.told("fiber", took(1, 10.0), 1_250_000_000, None, 1, [])
-    assert sp.min_rate("new") == pytest.approx(LEAVE_SHARE * 125e6)  # the trusted lines'
-    fan = FanOut(1)
+    sp.trusted = lambda s: s == "cable"  # once one is trusted, the trusted lines' median
+    sp.told("cable", took(1, 100.0), 1_250_000_000, None, 1, [])
+    assert sp.min_rate("new") == pytest.approx(LEAVE_SHARE * 12.5e6)
+    sp.trusted = lambda s: True  # a report from before it was trusted is no line
+    sp.told("dc", took(1, 2.0), 1_250_000_000, None, 1, [])
+    assert sp.best == {"cable": 12.5e6, "dc": 625e6}
+    fan = FanOut(1, trusted=lambda s: s == "p")
     for sid in ("p", "cable"):
         fan.join(sid, f"http://{sid}.peer:9000")
     assert fan.source(0, SHA, "cable", None, 100).url is None  # the broker's
