@@ -192,7 +192,7 @@ def tell_lost(url: str, token: str, name: str) -> None:
             url + "/v1/samplers/lost",
             json={"name": name},
             headers={"Authorization": f"Bearer {token}"},
-            timeout=2.0,
+            timeout=5.0,  # a broker on a busy machine (a sampler restarting beside it) is slow
         )
 
 
