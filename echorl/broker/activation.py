@@ -100,13 +100,14 @@ class Activation:
         active = free + sum(_speed(s) for s in priced if s.id not in self.parked)
         want = needed * (1 + self.margin)
         held = now - self.changed >= self.hold_s  # the last change has had its hold
+        hungry = busy is not None and busy < BUSY_FLOOR  # an async trainer short of groups
         if self.trust * active < needed * (1 + self.margin / 2):  # short: wake at once
             back = self._wake(by_cost, want / self.trust - active)
             self.reason = (
                 f"short: {active:.0f} tokens/s active, believed {self.trust:.0%} of it, "
                 f"{needed:.0f} needed"
             )
-        elif busy is not None and busy < BUSY_FLOOR and self.parked and held:
+        elif hungry and self.parked and held:
             # The speeds over-promise: believe them less, and wake that share.
             self.trust = max(MIN_TRUST, self.trust * (1 - PROBE_SHARE))
             back = self._wake(by_cost, PROBE_SHARE * active)
@@ -118,17 +119,18 @@ class Activation:
         if back:
             self.changed, self.changed_at = now, time.time()
             return set(), woken | back
-        if not held or (busy is not None and busy < BUSY_FLOOR):  # none parks while it waits
+        if not held or hungry:  # none parks while the trainer waits
             return set(), woken
         keep = cheapest_cover(by_cost, want / self.trust - free)
         cost = sum(s.cost_per_hour for s in priced if s.id not in self.parked)
-        if sum(s.cost_per_hour for s in keep) > cost * (1 - SAVING):
+        kept_cost = sum(s.cost_per_hour for s in keep)
+        if kept_cost > cost * (1 - SAVING):
             return set(), woken
         new = {s.id for s in priced} - {s.id for s in keep}
         parked, woke = new - self.parked, self.parked - new
         self.reason = (
             f"{sum(_speed(s) for s in keep) + free:.0f} tokens/s cover {needed:.0f} "
-            f"x {1 + self.margin:g} / {self.trust:.2f} for {sum(s.cost_per_hour for s in keep):.2f}/h"
+            f"x {1 + self.margin:g} / {self.trust:.2f} for {kept_cost:.2f}/h"
         )
         self.parked, self.changed, self.changed_at = new, now, time.time()
         return parked, woken | woke

@@ -22,9 +22,9 @@ versions (a leaf: it still fetches), then tried again; found slow again, twice a
 to SLOW_MAX_VERSIONS). Every peer is named with a `min_rate`, LEAVE_SHARE of the rate the
 taker got versions from the broker at (else the median such rate): a taker leaves a peer
 slower than that a few seconds in for the broker, unreported, so a slow peer not yet found
-out (or tried again) costs its takers seconds, not the whole download. Reports are the samplers' word: a liar can keep a
-peer a leaf for a while (its own source only, and only with a second taker's word), which
-costs the broker bandwidth, never weights.
+out (or tried again) costs its takers seconds, not the whole download. Reports are the
+samplers' word: a liar can keep a peer a leaf for a while (its own source only, and only
+with a second taker's word), which costs the broker bandwidth, never weights.
 """
 
 from __future__ import annotations
